@@ -1,0 +1,1 @@
+//! fencecsi attacher (built in its own issue).

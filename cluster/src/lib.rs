@@ -1,0 +1,1 @@
+//! fencecsi cluster (built in its own issue).

@@ -1,0 +1,1 @@
+//! fencecsi podgc (built in its own issue).
