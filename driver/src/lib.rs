@@ -1,1 +1,23 @@
-pub mod placeholder {}
+//! fencecsi CSI plugin: volumes are sparse image files attached as real Linux
+//! loop devices, with a write fence made on the backing inode.
+//!
+//! Layout: the gRPC services (`identity`, `controller`, `node`) sit on a
+//! storage `backend` (image files, generations, metadata) and on the kernel
+//! helpers (`loopdev`, `mounts`, `fsutil`, `fsops`, `fence`).
+
+pub mod backend;
+pub mod capability;
+pub mod config;
+pub mod controller;
+pub mod error;
+pub mod fence;
+pub mod fsops;
+pub mod fsutil;
+pub mod identity;
+pub mod ids;
+pub mod locks;
+pub mod loopdev;
+pub mod mounts;
+pub mod node;
+pub mod paths;
+pub mod server;

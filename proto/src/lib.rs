@@ -15,3 +15,5 @@ pub use csi::v1;
 
 /// The CSI spec version these bindings implement.
 pub const CSI_SPEC_VERSION: &str = "1.12.0";
+
+pub mod client;

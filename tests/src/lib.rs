@@ -1,1 +1,387 @@
-//! Shared helpers for the end-to-end tests.
+//! Shared harness for fencecsi's end-to-end tests and benchmarks.
+//!
+//! Everything a test makes lives under one temp dir: the state dir (volume
+//! images), one kubelet-like dir per node, and the plugin sockets. The
+//! [`Env`] guard tears it all down on drop, also when the test fails: it
+//! unmounts every mount below the temp dir, detaches every loop device whose
+//! backing file is below it (and only those), and clears immutable flags so
+//! the files can be removed. Nothing outside the temp dir is touched.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fencecsi_driver::config::{Config, Mode};
+use fencecsi_proto::client::CsiClient;
+use fencecsi_proto::v1::volume_capability::{
+    access_mode::Mode as AccessMode, AccessType, BlockVolume, MountVolume,
+};
+use fencecsi_proto::v1::VolumeCapability;
+use sha2::{Digest, Sha256};
+
+pub use fencecsi_proto::v1 as csi;
+
+/// Whether this process can do what the tests need (root, loop devices).
+pub fn can_run_kernel_tests() -> bool {
+    nix::unistd::geteuid().is_root() && Path::new("/dev/loop-control").exists()
+}
+
+/// Skips a test loudly when it cannot run here (never silently passes in CI:
+/// CI runs as root, where this is always true).
+#[macro_export]
+macro_rules! require_root {
+    () => {
+        if !$crate::can_run_kernel_tests() {
+            if std::env::var_os("CI").is_some() {
+                panic!("kernel tests need root and /dev/loop-control, and CI must provide them");
+            }
+            eprintln!("SKIPPED: needs root and /dev/loop-control");
+            return;
+        }
+    };
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A temp dir holding one test's state, kubelet dirs and sockets.
+pub struct Env {
+    pub dir: tempfile::TempDir,
+}
+
+impl Env {
+    pub fn new() -> Self {
+        // Under /var/tmp-like storage on the real disk: the backing filesystem
+        // must support the immutable flag (tmpfs does not for our purposes).
+        let base = std::env::var_os("FENCECSI_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = tempfile::Builder::new()
+            .prefix("fencecsi-test-")
+            .tempdir_in(base)
+            .expect("creating the test dir");
+        Env { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.path().join("state")
+    }
+
+    /// The kubelet-like root of one node.
+    pub fn kubelet_dir(&self, node: &str) -> PathBuf {
+        self.path().join("nodes").join(node).join("kubelet")
+    }
+
+    pub fn socket(&self, name: &str) -> PathBuf {
+        self.path().join("sock").join(format!("{name}.sock"))
+    }
+
+    /// A configuration for a plugin of this env.
+    pub fn config(&self, mode: Mode, node: Option<&str>, socket_name: &str) -> Config {
+        let kubelet = node
+            .map(|n| self.kubelet_dir(n))
+            .unwrap_or_else(|| self.path().join("nodes/none/kubelet"));
+        let mut cfg = Config::local(
+            mode,
+            node,
+            self.state_dir(),
+            kubelet,
+            self.socket(socket_name),
+        );
+        cfg.gc_interval_secs = 1;
+        cfg
+    }
+
+    /// Staging and publish paths laid out as kubelet does.
+    pub fn staging_path(&self, node: &str, volume_id: &str) -> PathBuf {
+        let h = hex::encode(Sha256::digest(volume_id.as_bytes()));
+        self.kubelet_dir(node)
+            .join("plugins/kubernetes.io/csi")
+            .join(fencecsi_driver::config::DEFAULT_DRIVER_NAME)
+            .join(h)
+            .join("globalmount")
+    }
+
+    pub fn target_path(&self, node: &str, pod_uid: &str, pv: &str) -> PathBuf {
+        self.kubelet_dir(node)
+            .join("pods")
+            .join(pod_uid)
+            .join("volumes/kubernetes.io~csi")
+            .join(pv)
+            .join("mount")
+    }
+
+    /// Mounts below this env, deepest first.
+    pub fn mounts(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = fencecsi_driver::mounts::mounts()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|m| m.starts_with(self.path()))
+            .collect();
+        v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        v
+    }
+
+    /// Loop devices whose backing file lies below this env.
+    pub fn loops(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let Ok(entries) = std::fs::read_dir("/sys/block") else {
+            return out;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !name.starts_with("loop") {
+                continue;
+            }
+            if let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+                let backing = backing.trim().trim_end_matches(" (deleted)");
+                if Path::new(backing).starts_with(self.path()) {
+                    out.push(PathBuf::from("/dev").join(&name));
+                }
+            }
+        }
+        out
+    }
+
+    /// Asserts nothing of this env is mounted or attached.
+    pub fn assert_clean(&self) {
+        assert_eq!(
+            self.mounts(),
+            Vec::<PathBuf>::new(),
+            "mounts left below the test dir"
+        );
+        assert_eq!(
+            self.loops(),
+            Vec::<PathBuf>::new(),
+            "loop devices left on the test's images"
+        );
+    }
+
+    /// Tears down mounts and loop devices of this env; returns what it found.
+    pub fn teardown(&self) -> (usize, usize) {
+        let mounts = self.mounts();
+        for m in &mounts {
+            let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+        }
+        let loops = self.loops();
+        for l in &loops {
+            let _ = fencecsi_driver::loopdev::detach(l);
+        }
+        clear_immutable(&self.state_dir());
+        (mounts.len(), loops.len())
+    }
+}
+
+impl Default for Env {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let (m, l) = self.teardown();
+        if m + l > 0 && !std::thread::panicking() {
+            eprintln!("test env teardown removed {m} mounts and {l} loop devices");
+        }
+    }
+}
+
+fn clear_immutable(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => clear_immutable(&p),
+            Ok(t) if t.is_file() => {
+                if fencecsi_driver::fsops::is_immutable(&p).unwrap_or(false) {
+                    let _ = fencecsi_driver::fsops::set_immutable(&p, false);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A plugin served in this process (fast; for most tests).
+pub struct InProcess {
+    pub socket: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl InProcess {
+    pub async fn start(cfg: Config) -> (Self, CsiClient) {
+        let socket = cfg.socket_path().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            if let Err(e) = fencecsi_driver::server::serve(cfg, async {
+                let _ = rx.await;
+            })
+            .await
+            {
+                panic!("in-process plugin failed: {e}");
+            }
+        });
+        let client = wait_for_socket(&socket).await;
+        (
+            InProcess {
+                socket,
+                stop: Some(tx),
+                task: Some(task),
+            },
+            client,
+        )
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Waits until a plugin answers Probe on `socket`.
+pub async fn wait_for_socket(socket: &Path) -> CsiClient {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if socket.exists() {
+            if let Ok(mut c) = CsiClient::connect(socket).await {
+                if c.identity.probe(csi::ProbeRequest {}).await.is_ok() {
+                    return c;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "plugin on {} did not come up",
+            socket.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The driver binary built next to the test executable.
+pub fn driver_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe
+        .parent()
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
+        .expect("target dir");
+    let bin = dir.join("fencecsi-driver");
+    assert!(
+        bin.exists(),
+        "{} not built: run `cargo build -p fencecsi-driver` (cargo test --workspace builds it)",
+        bin.display()
+    );
+    bin
+}
+
+/// A plugin in its own process (for crash and signal tests). Killed on drop.
+pub struct Process {
+    pub child: Child,
+    pub socket: PathBuf,
+}
+
+impl Process {
+    pub fn spawn(cfg: &Config) -> Self {
+        let mut cmd = Command::new(driver_binary());
+        cmd.arg("--endpoint").arg(&cfg.endpoint);
+        cmd.arg("--mode").arg(match cfg.mode {
+            Mode::Controller => "controller",
+            Mode::Node => "node",
+            Mode::All => "all",
+        });
+        if let Some(n) = &cfg.node_id {
+            cmd.arg("--node-id").arg(n);
+        }
+        cmd.arg("--state-dir")
+            .arg(&cfg.state_dir)
+            .arg("--kubelet-dir")
+            .arg(&cfg.kubelet_dir);
+        cmd.arg("--gc-interval-secs")
+            .arg(cfg.gc_interval_secs.to_string());
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = cmd.spawn().expect("spawning fencecsi-driver");
+        Process {
+            child,
+            socket: cfg.socket_path().unwrap(),
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn sigterm(&mut self) -> std::process::ExitStatus {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        self.child.wait().expect("waiting for the driver")
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn mount_cap(mode: AccessMode, fs: &str) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn block_cap(mode: AccessMode) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+pub fn sha256_file(path: &Path) -> String {
+    hex::encode(Sha256::digest(
+        std::fs::read(path).expect("reading file to hash"),
+    ))
+}
+
+pub use fencecsi_proto::v1::volume_capability::access_mode::Mode as Access;

@@ -1,0 +1,203 @@
+//! The loop-image backend: each generation is a sparse image file under
+//! `<state>/volumes/<id>/gen-<n>.img`, snapshots under
+//! `<state>/snapshots/<id>/data.img`. The fence works wherever the
+//! controller and the nodes share this directory and the kernel.
+
+use std::path::{Path, PathBuf};
+
+use super::{Backend, BackendError, Capacity, DataRef};
+use crate::fence::{self, FenceReport};
+use crate::fsops::{self, CloneKind};
+use crate::ids::{SnapshotId, VolumeId};
+use crate::loopdev::LoopInfo;
+
+pub struct ImageBackend {
+    root: PathBuf,
+}
+
+impl ImageBackend {
+    pub fn new(state_dir: &Path) -> Result<Self, BackendError> {
+        for sub in ["volumes", "snapshots"] {
+            std::fs::create_dir_all(state_dir.join(sub)).map_err(BackendError::io(format!(
+                "creating {}",
+                state_dir.join(sub).display()
+            )))?;
+        }
+        Ok(Self {
+            root: state_dir.to_path_buf(),
+        })
+    }
+
+    pub fn volume_dir(&self, vol: &VolumeId) -> PathBuf {
+        self.root.join("volumes").join(vol.as_str())
+    }
+
+    fn snapshot_path(&self, snap: &SnapshotId) -> PathBuf {
+        self.root
+            .join("snapshots")
+            .join(snap.as_str())
+            .join("data.img")
+    }
+
+    fn ensure_dir(dir: &Path) -> Result<(), BackendError> {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir)
+                .map_err(BackendError::io(format!("creating {}", dir.display())))?;
+            fsops::fsync_parent(dir).map_err(BackendError::io("syncing directory"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for ImageBackend {
+    fn kind(&self) -> &'static str {
+        "loop-image"
+    }
+
+    fn create(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError> {
+        let path = self.generation_path(vol, gen);
+        Self::ensure_dir(&self.volume_dir(vol))?;
+        match fsops::create_sparse(&path, size) {
+            // A retry after a crash finds the file it made: make sure it is the right size.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => fsops::grow(&path, size),
+            other => other,
+        }
+        .map_err(BackendError::io(format!("creating {}", path.display())))
+    }
+
+    fn clone_data(
+        &self,
+        src: &DataRef,
+        vol: &VolumeId,
+        gen: u64,
+        size: u64,
+    ) -> Result<CloneKind, BackendError> {
+        let from = match src {
+            DataRef::Generation(v, g) => self.generation_path(v, *g),
+            DataRef::Snapshot(s) => self.snapshot_path(s),
+        };
+        let to = self.generation_path(vol, gen);
+        Self::ensure_dir(&self.volume_dir(vol))?;
+        if to.exists() {
+            // Left by an earlier attempt that completed the rename: clone_file
+            // only renames a finished copy into place.
+            tracing::info!(path = %to.display(), "clone target already complete from an earlier attempt");
+            fsops::grow(&to, size).map_err(BackendError::io("growing clone"))?;
+            return Ok(CloneKind::SparseCopy);
+        }
+        let kind = fsops::clone_file(&from, &to).map_err(BackendError::io(format!(
+            "cloning {} to {}",
+            from.display(),
+            to.display()
+        )))?;
+        fsops::grow(&to, size).map_err(BackendError::io("growing clone"))?;
+        Ok(kind)
+    }
+
+    fn snapshot(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        snap: &SnapshotId,
+    ) -> Result<(CloneKind, u64), BackendError> {
+        let to = self.snapshot_path(snap);
+        Self::ensure_dir(to.parent().expect("snapshot path has a parent"))?;
+        let from = self.generation_path(vol, gen);
+        let kind = if to.exists() {
+            CloneKind::SparseCopy
+        } else {
+            fsops::clone_file(&from, &to)
+                .map_err(BackendError::io(format!("snapshotting {}", from.display())))?
+        };
+        let size = std::fs::metadata(&to)
+            .map_err(BackendError::io("reading snapshot size"))?
+            .len();
+        Ok((kind, size))
+    }
+
+    fn delete_snapshot(&self, snap: &SnapshotId) -> Result<(), BackendError> {
+        let dir = self.root.join("snapshots").join(snap.as_str());
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(BackendError::io(format!("removing {}", dir.display()))(e))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn grow(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError> {
+        let path = self.generation_path(vol, gen);
+        fsops::grow(&path, size).map_err(BackendError::io(format!("growing {}", path.display())))
+    }
+
+    fn freeze(&self, vol: &VolumeId, gen: u64) -> Result<FenceReport, BackendError> {
+        Ok(fence::freeze(&self.generation_path(vol, gen))?)
+    }
+
+    fn holders(&self, vol: &VolumeId, gen: u64) -> Result<Vec<LoopInfo>, BackendError> {
+        let path = self.generation_path(vol, gen);
+        if !path.exists() {
+            return Ok(Vec::new());
+        }
+        Ok(fence::holders(&path)?)
+    }
+
+    fn remove_generation(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError> {
+        let path = self.generation_path(vol, gen);
+        if !path.exists() {
+            return Ok(());
+        }
+        let held = self.holders(vol, gen)?;
+        if !held.is_empty() {
+            return Err(BackendError::Busy(format!(
+                "generation {gen} of {vol} is still held by {}",
+                held.iter()
+                    .map(|l| l.device.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        if fence::is_frozen(&path)? {
+            fence::thaw(&path)?;
+        }
+        std::fs::remove_file(&path)
+            .map_err(BackendError::io(format!("removing {}", path.display())))?;
+        fsops::fsync_parent(&path).map_err(BackendError::io("syncing directory"))
+    }
+
+    fn delete_volume(&self, vol: &VolumeId) -> Result<(), BackendError> {
+        let dir = self.volume_dir(vol);
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(BackendError::io(format!("reading {}", dir.display()))(e)),
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if let Some(gen) = name
+                .strip_prefix("gen-")
+                .and_then(|n| n.strip_suffix(".img"))
+                .and_then(|n| n.parse().ok())
+            {
+                self.remove_generation(vol, gen)?;
+            }
+        }
+        std::fs::remove_dir_all(&dir)
+            .map_err(BackendError::io(format!("removing {}", dir.display())))?;
+        fsops::fsync_parent(&dir).map_err(BackendError::io("syncing directory"))
+    }
+
+    fn capacity(&self) -> Result<Capacity, BackendError> {
+        let st = nix::sys::statvfs::statvfs(&self.root)
+            .map_err(|e| BackendError::io("statvfs of the state dir")(e.into()))?;
+        let frag = st.fragment_size() as u64;
+        Ok(Capacity {
+            total_bytes: st.blocks() as u64 * frag,
+            available_bytes: st.blocks_available() as u64 * frag,
+        })
+    }
+
+    fn generation_path(&self, vol: &VolumeId, gen: u64) -> PathBuf {
+        self.volume_dir(vol).join(format!("gen-{gen:06}.img"))
+    }
+}

@@ -1,0 +1,361 @@
+//! Volume, snapshot and node bookkeeping as JSON files next to the data,
+//! written atomically (temp, fsync, rename, fsync dir). The controller keeps
+//! an in-memory copy; node plugins read the files fresh, since another
+//! process (the controller) writes them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fsops::{self, CloneKind};
+use crate::ids::{Parsed, SnapshotId, VolumeId};
+
+pub fn now_nanos() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeState {
+    /// Metadata written, data not yet complete: a retry of CreateVolume finishes it.
+    Creating,
+    Ready,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "id")]
+pub enum Source {
+    Snapshot(String),
+    Volume(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Generation {
+    pub created_at: i64,
+    /// How its data came to be (None: created empty).
+    pub origin: Option<CloneKind>,
+    /// Set once the fence on this generation was made.
+    pub fenced_at: Option<i64>,
+    /// The node whose attachment was fenced away.
+    pub fenced_node: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attachment {
+    pub generation: u64,
+    pub readonly: bool,
+    pub block: bool,
+    pub published_at: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMeta {
+    pub id: String,
+    pub name: String,
+    pub state: VolumeState,
+    pub capacity_bytes: u64,
+    pub fs_type: String,
+    pub parameters: BTreeMap<String, String>,
+    pub source: Option<Source>,
+    pub created_at: i64,
+    pub current_generation: u64,
+    pub generations: BTreeMap<u64, Generation>,
+    /// node ID -> attachment.
+    pub attachments: BTreeMap<String, Attachment>,
+    /// node ID -> generation it was fenced from; publishing to that node is
+    /// refused until nothing holds that generation any more.
+    pub quarantined: BTreeMap<String, u64>,
+}
+
+impl VolumeMeta {
+    pub fn volume_id(&self) -> VolumeId {
+        match VolumeId::parse(&self.id) {
+            Ok(Parsed::Ours(v)) => v,
+            _ => unreachable!("metadata is only loaded for well-formed IDs"),
+        }
+    }
+
+    pub fn current(&self) -> Option<&Generation> {
+        self.generations.get(&self.current_generation)
+    }
+
+    pub fn current_is_fenced(&self) -> bool {
+        self.current().is_some_and(|g| g.fenced_at.is_some())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotMeta {
+    pub id: String,
+    pub name: String,
+    pub source_volume_id: String,
+    pub size_bytes: u64,
+    pub created_at: i64,
+    pub ready: bool,
+    pub origin: Option<CloneKind>,
+}
+
+/// What a node plugin registers so the controller can tell real nodes from
+/// unknown ones (ControllerPublishVolume answers NOT_FOUND for those).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node_id: String,
+    pub max_volumes: i64,
+    pub registered_at: i64,
+}
+
+#[derive(Default)]
+struct Cache {
+    volumes: BTreeMap<String, VolumeMeta>,
+    snapshots: BTreeMap<String, SnapshotMeta>,
+}
+
+pub struct MetaStore {
+    root: PathBuf,
+    cache: Mutex<Cache>,
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> std::io::Result<Option<T>> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| std::io::Error::other(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn write_json<T: Serialize>(path: &Path, value: &T) -> std::io::Result<()> {
+    let dir = path.parent().expect("metadata path has a parent");
+    if !dir.exists() {
+        std::fs::create_dir_all(dir)?;
+        fsops::fsync_parent(dir)?;
+    }
+    fsops::write_atomic(
+        path,
+        &serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?,
+    )
+}
+
+impl MetaStore {
+    /// Loads every volume and snapshot record under `state_dir`.
+    pub fn open(state_dir: &Path) -> std::io::Result<Self> {
+        let store = MetaStore {
+            root: state_dir.to_path_buf(),
+            cache: Mutex::new(Cache::default()),
+        };
+        let mut cache = Cache::default();
+        for (kind, file) in [("volumes", "volume.json"), ("snapshots", "snapshot.json")] {
+            let dir = state_dir.join(kind);
+            std::fs::create_dir_all(&dir)?;
+            for entry in std::fs::read_dir(&dir)?.flatten() {
+                let path = entry.path().join(file);
+                if kind == "volumes" {
+                    if let Some(v) = read_json::<VolumeMeta>(&path)? {
+                        cache.volumes.insert(v.id.clone(), v);
+                    }
+                } else if let Some(s) = read_json::<SnapshotMeta>(&path)? {
+                    cache.snapshots.insert(s.id.clone(), s);
+                }
+            }
+        }
+        std::fs::create_dir_all(state_dir.join("nodes"))?;
+        *store.cache.lock().unwrap() = cache;
+        Ok(store)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn volume_path(state_dir: &Path, id: &str) -> PathBuf {
+        state_dir.join("volumes").join(id).join("volume.json")
+    }
+
+    pub fn volume(&self, id: &VolumeId) -> Option<VolumeMeta> {
+        self.lock().volumes.get(id.as_str()).cloned()
+    }
+
+    pub fn volume_by_name(&self, name: &str) -> Option<VolumeMeta> {
+        self.lock()
+            .volumes
+            .values()
+            .find(|v| v.name == name)
+            .cloned()
+    }
+
+    pub fn volumes(&self) -> Vec<VolumeMeta> {
+        self.lock().volumes.values().cloned().collect()
+    }
+
+    /// Volumes with IDs strictly after `after`, in ID order, at most `limit`.
+    pub fn volumes_after(&self, after: Option<&str>, limit: usize) -> (Vec<VolumeMeta>, bool) {
+        let cache = self.lock();
+        let iter: Box<dyn Iterator<Item = &VolumeMeta>> = match after {
+            Some(a) => Box::new(
+                cache
+                    .volumes
+                    .range::<str, _>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded))
+                    .map(|(_, v)| v),
+            ),
+            None => Box::new(cache.volumes.values()),
+        };
+        let mut page: Vec<VolumeMeta> = iter.take(limit.saturating_add(1)).cloned().collect();
+        let more = page.len() > limit;
+        page.truncate(limit);
+        (page, more)
+    }
+
+    pub fn put_volume(&self, v: &VolumeMeta) -> std::io::Result<()> {
+        write_json(&Self::volume_path(&self.root, &v.id), v)?;
+        self.lock().volumes.insert(v.id.clone(), v.clone());
+        Ok(())
+    }
+
+    /// Forgets a volume whose data the backend has already removed.
+    pub fn remove_volume(&self, id: &VolumeId) -> std::io::Result<()> {
+        let dir = self.root.join("volumes").join(id.as_str());
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        fsops::fsync_dir(&self.root.join("volumes"))?;
+        self.lock().volumes.remove(id.as_str());
+        Ok(())
+    }
+
+    /// How many volumes are attached to `node`.
+    pub fn attachments_on(&self, node: &str) -> usize {
+        self.lock()
+            .volumes
+            .values()
+            .filter(|v| v.attachments.contains_key(node))
+            .count()
+    }
+
+    pub fn snapshot(&self, id: &SnapshotId) -> Option<SnapshotMeta> {
+        self.lock().snapshots.get(id.as_str()).cloned()
+    }
+
+    pub fn snapshot_by_name(&self, name: &str) -> Option<SnapshotMeta> {
+        self.lock()
+            .snapshots
+            .values()
+            .find(|s| s.name == name)
+            .cloned()
+    }
+
+    pub fn snapshots(&self) -> Vec<SnapshotMeta> {
+        self.lock().snapshots.values().cloned().collect()
+    }
+
+    pub fn put_snapshot(&self, s: &SnapshotMeta) -> std::io::Result<()> {
+        write_json(
+            &self
+                .root
+                .join("snapshots")
+                .join(&s.id)
+                .join("snapshot.json"),
+            s,
+        )?;
+        self.lock().snapshots.insert(s.id.clone(), s.clone());
+        Ok(())
+    }
+
+    pub fn remove_snapshot_record(&self, id: &SnapshotId) -> std::io::Result<()> {
+        let p = self
+            .root
+            .join("snapshots")
+            .join(id.as_str())
+            .join("snapshot.json");
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        self.lock().snapshots.remove(id.as_str());
+        Ok(())
+    }
+
+    pub fn register_node(state_dir: &Path, rec: &NodeRecord) -> std::io::Result<()> {
+        write_json(
+            &state_dir
+                .join("nodes")
+                .join(format!("{}.json", rec.node_id)),
+            rec,
+        )
+    }
+
+    pub fn node(&self, node_id: &str) -> std::io::Result<Option<NodeRecord>> {
+        read_json(&self.root.join("nodes").join(format!("{node_id}.json")))
+    }
+
+    /// A fresh read from disk, for node plugins (the controller writes).
+    pub fn read_volume(state_dir: &Path, id: &VolumeId) -> std::io::Result<Option<VolumeMeta>> {
+        read_json(&Self::volume_path(state_dir, id.as_str()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(id: &str) -> VolumeMeta {
+        VolumeMeta {
+            id: id.into(),
+            name: format!("name-{id}"),
+            state: VolumeState::Ready,
+            capacity_bytes: 1 << 20,
+            fs_type: "ext4".into(),
+            parameters: BTreeMap::new(),
+            source: None,
+            created_at: now_nanos(),
+            current_generation: 1,
+            generations: BTreeMap::from([(
+                1,
+                Generation {
+                    created_at: 0,
+                    origin: None,
+                    fenced_at: None,
+                    fenced_node: None,
+                },
+            )]),
+            attachments: BTreeMap::new(),
+            quarantined: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn records_survive_a_reopen_and_pages_are_ordered() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = MetaStore::open(dir.path()).unwrap();
+        let ids: Vec<String> = (0..5).map(|_| VolumeId::generate().to_string()).collect();
+        for id in &ids {
+            store.put_volume(&meta(id)).unwrap();
+        }
+        let reopened = MetaStore::open(dir.path()).unwrap();
+        let mut sorted = ids.clone();
+        sorted.sort();
+        let (first, more) = reopened.volumes_after(None, 2);
+        assert!(more);
+        assert_eq!(
+            first.iter().map(|v| v.id.clone()).collect::<Vec<_>>(),
+            sorted[..2]
+        );
+        let (rest, more) = reopened.volumes_after(Some(&sorted[1]), 10);
+        assert!(!more);
+        assert_eq!(rest.len(), 3);
+        assert_eq!(
+            reopened
+                .volume_by_name(&format!("name-{}", ids[3]))
+                .unwrap()
+                .id,
+            ids[3]
+        );
+    }
+}

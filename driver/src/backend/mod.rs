@@ -1,0 +1,106 @@
+//! Storage backend. The CSI layer speaks to storage only through the
+//! [`Backend`] trait (data: generations, clones, the fence) and the
+//! [`meta::MetaStore`] (bookkeeping), so another backend, for example a
+//! networked one with real blocklisting, can be added without touching it.
+
+pub mod image;
+pub mod meta;
+
+use std::path::PathBuf;
+
+use crate::fence::{FenceError, FenceReport};
+use crate::fsops::CloneKind;
+use crate::ids::{SnapshotId, VolumeId};
+use crate::loopdev::LoopInfo;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl BackendError {
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackendError {
+        let what = what.into();
+        move |source| BackendError::Io { what, source }
+    }
+}
+
+impl From<BackendError> for crate::error::CsiError {
+    fn from(e: BackendError) -> Self {
+        use crate::error::CsiError;
+        match e {
+            BackendError::Fence(FenceError::Unsupported { .. }) => {
+                CsiError::FailedPrecondition(e.to_string())
+            }
+            BackendError::Busy(m) => CsiError::FailedPrecondition(m),
+            BackendError::Io { ref source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
+                CsiError::ResourceExhausted(e.to_string())
+            }
+            other => CsiError::Internal(other.to_string()),
+        }
+    }
+}
+
+/// Where a clone reads from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataRef {
+    Generation(VolumeId, u64),
+    Snapshot(SnapshotId),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    pub available_bytes: u64,
+}
+
+/// Storage operations on volume data. A volume's data lives in numbered
+/// generations; a fenced generation is never written again and is removed
+/// only once nothing holds it.
+pub trait Backend: Send + Sync + 'static {
+    /// Short name for logs and volume context (e.g. "loop-image").
+    fn kind(&self) -> &'static str;
+    /// Creates an empty (sparse) generation.
+    fn create(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError>;
+    /// Makes `vol`/`gen` a copy of `src`, at least `size` bytes long.
+    fn clone_data(
+        &self,
+        src: &DataRef,
+        vol: &VolumeId,
+        gen: u64,
+        size: u64,
+    ) -> Result<CloneKind, BackendError>;
+    /// Takes a point-in-time copy of a generation as a snapshot; returns its size.
+    fn snapshot(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        snap: &SnapshotId,
+    ) -> Result<(CloneKind, u64), BackendError>;
+    fn delete_snapshot(&self, snap: &SnapshotId) -> Result<(), BackendError>;
+    /// Grows a generation (never shrinks).
+    fn grow(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError>;
+    /// The write fence: see [`crate::fence`].
+    fn freeze(&self, vol: &VolumeId, gen: u64) -> Result<FenceReport, BackendError>;
+    /// Who still holds a generation (attached loop devices).
+    fn holders(&self, vol: &VolumeId, gen: u64) -> Result<Vec<LoopInfo>, BackendError>;
+    /// Deletes a generation no one holds (thawing it first if fenced).
+    fn remove_generation(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError>;
+    /// Deletes all that is left of a volume.
+    fn delete_volume(&self, vol: &VolumeId) -> Result<(), BackendError>;
+    fn capacity(&self) -> Result<Capacity, BackendError>;
+    /// The file a node attaches for a generation.
+    fn generation_path(&self, vol: &VolumeId, gen: u64) -> PathBuf;
+    /// Whether the generation's data still exists.
+    fn generation_exists(&self, vol: &VolumeId, gen: u64) -> bool {
+        self.generation_path(vol, gen).exists()
+    }
+}

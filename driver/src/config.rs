@@ -1,0 +1,138 @@
+//! Command-line configuration of the plugin.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+pub const DEFAULT_DRIVER_NAME: &str = "loop.fencecsi.io";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Identity + Controller: volume lifecycle, attachments and fences.
+    Controller,
+    /// Identity + Node: loop devices and mounts on this node.
+    Node,
+    /// Both, in one process (local use and conformance runs).
+    All,
+}
+
+impl Mode {
+    pub fn controller(self) -> bool {
+        matches!(self, Mode::Controller | Mode::All)
+    }
+    pub fn node(self) -> bool {
+        matches!(self, Mode::Node | Mode::All)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// fencecsi CSI plugin: volumes are sparse image files under --state-dir,
+/// attached on nodes as real loop devices, with a write fence on detach.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "fencecsi-driver", version, about, long_about = None)]
+pub struct Config {
+    /// gRPC endpoint to serve on; only unix sockets are supported.
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    pub endpoint: String,
+
+    /// Which CSI services this process serves.
+    #[arg(long, value_enum, default_value = "all")]
+    pub mode: Mode,
+
+    /// This node's ID as reported by NodeGetInfo (required in node and all modes).
+    #[arg(long, env = "NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// Where volume images and their metadata live. Controller and node plugins
+    /// must see the same directory (and the same kernel) for the fence to hold.
+    #[arg(long, default_value = "/var/lib/fencecsi")]
+    pub state_dir: PathBuf,
+
+    /// The kubelet root. Staging and target paths must lie below it.
+    #[arg(long, default_value = "/var/lib/kubelet")]
+    pub kubelet_dir: PathBuf,
+
+    /// CSI driver name reported by GetPluginInfo.
+    #[arg(long, default_value = DEFAULT_DRIVER_NAME)]
+    pub driver_name: String,
+
+    /// Maximum number of volumes attached to one node (0 = no limit).
+    #[arg(long, default_value_t = 64)]
+    pub max_volumes_per_node: i64,
+
+    /// Filesystem used when neither the StorageClass nor the capability names one.
+    #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
+    pub default_fs_type: String,
+
+    /// Attach loop devices with direct I/O (falls back to buffered where refused).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub direct_io: bool,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// How often the controller garbage-collects fenced generations no
+    /// longer held by any loop device (seconds).
+    #[arg(long, default_value_t = 10)]
+    pub gc_interval_secs: u64,
+}
+
+impl Config {
+    /// Checks what clap cannot: the endpoint scheme and the node ID.
+    pub fn validate(&self) -> Result<(), String> {
+        self.socket_path()?;
+        if self.mode.node() {
+            match &self.node_id {
+                None => return Err("--node-id is required in node and all modes".into()),
+                Some(id) => crate::ids::check_token("node ID", id).map_err(|e| e.to_string())?,
+            }
+        }
+        if self.driver_name.is_empty() || self.driver_name.len() > 63 {
+            return Err("--driver-name must be 1-63 characters".into());
+        }
+        Ok(())
+    }
+
+    pub fn socket_path(&self) -> Result<PathBuf, String> {
+        let path = self
+            .endpoint
+            .strip_prefix("unix://")
+            .ok_or_else(|| format!("endpoint {:?} must start with unix://", self.endpoint))?;
+        if !path.starts_with('/') {
+            return Err(format!(
+                "endpoint {:?} must name an absolute socket path",
+                self.endpoint
+            ));
+        }
+        Ok(PathBuf::from(path))
+    }
+
+    /// A configuration for tests and the local drill.
+    pub fn local(
+        mode: Mode,
+        node_id: Option<&str>,
+        state_dir: PathBuf,
+        kubelet_dir: PathBuf,
+        socket: PathBuf,
+    ) -> Self {
+        Config {
+            endpoint: format!("unix://{}", socket.display()),
+            mode,
+            node_id: node_id.map(str::to_string),
+            state_dir,
+            kubelet_dir,
+            driver_name: DEFAULT_DRIVER_NAME.to_string(),
+            max_volumes_per_node: 64,
+            default_fs_type: "ext4".into(),
+            direct_io: true,
+            log_format: LogFormat::Text,
+            gc_interval_secs: 10,
+        }
+    }
+}

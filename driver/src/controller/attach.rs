@@ -1,0 +1,300 @@
+//! ControllerPublish/Unpublish: attachment records, the fence, new
+//! generations after a fence, node quarantine, and garbage collection of
+//! fenced generations once nothing holds them.
+
+use fencecsi_proto::v1::*;
+
+use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
+use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
+use crate::backend::DataRef;
+use crate::capability;
+use crate::error::{CsiError, CsiResult};
+use crate::ids::{check_token, VolumeId};
+
+impl Controller {
+    pub(super) fn publish(
+        &self,
+        req: ControllerPublishVolumeRequest,
+    ) -> CsiResult<ControllerPublishVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        if req.node_id.is_empty() {
+            return Err(CsiError::InvalidArgument("node_id is required".into()));
+        }
+        check_token("node ID", &req.node_id)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
+        let access = capability::parse(cap)?;
+        let (id, _) = self.existing_volume(&req.volume_id)?;
+        let node = self
+            .store
+            .node(&req.node_id)
+            .map_err(|e| CsiError::internal("reading node registration", e))?;
+        let Some(node) = node else {
+            return Err(CsiError::NotFound(format!(
+                "node {} is not known: no node plugin has registered it",
+                req.node_id
+            )));
+        };
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let mut v = self
+            .store
+            .volume(&id)
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        if let Some(fs) = &access.fs_type {
+            if *fs != v.fs_type {
+                return Err(CsiError::InvalidArgument(format!(
+                    "volume {id} has a {} filesystem, not {fs}",
+                    v.fs_type
+                )));
+            }
+        }
+        let readonly = req.readonly || access.read_only_mode();
+
+        if let Some(a) = v.attachments.get(&req.node_id) {
+            if a.readonly == readonly && a.block == access.block {
+                return Ok(self.publish_context(&v, a));
+            }
+            return Err(CsiError::AlreadyExists(format!(
+                "volume {id} is already published to node {} with readonly={} block={}",
+                req.node_id, a.readonly, a.block
+            )));
+        }
+        self.lift_quarantine(&id, &mut v, &req.node_id)?;
+        let others: Vec<(&String, &Attachment)> = v.attachments.iter().collect();
+        if !others.is_empty()
+            && !(access.multi_node() && readonly && others.iter().all(|(_, a)| a.readonly))
+        {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id} is published to node {} and its access mode allows one node only",
+                others
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let max = if node.max_volumes > 0 {
+            node.max_volumes
+        } else {
+            self.cfg.max_volumes_per_node
+        };
+        if max > 0 && self.store.attachments_on(&req.node_id) as i64 >= max {
+            return Err(CsiError::ResourceExhausted(format!(
+                "node {} already has its maximum of {max} volumes attached",
+                req.node_id
+            )));
+        }
+        if v.current_is_fenced() || !self.backend.generation_exists(&id, v.current_generation) {
+            self.new_generation(&id, &mut v)?;
+        }
+        let a = Attachment {
+            generation: v.current_generation,
+            readonly,
+            block: access.block,
+            published_at: now_nanos(),
+        };
+        v.attachments.insert(req.node_id.clone(), a.clone());
+        self.persist(&v)?;
+        tracing::info!(volume = %id, node = %req.node_id, generation = a.generation, readonly, "volume published");
+        Ok(self.publish_context(&v, &a))
+    }
+
+    fn publish_context(&self, v: &VolumeMeta, a: &Attachment) -> ControllerPublishVolumeResponse {
+        ControllerPublishVolumeResponse {
+            publish_context: [
+                (CTX_GENERATION.to_string(), a.generation.to_string()),
+                (CTX_FS_TYPE.to_string(), v.fs_type.clone()),
+                (CTX_READONLY.to_string(), a.readonly.to_string()),
+            ]
+            .into(),
+        }
+    }
+
+    /// The current generation was fenced: the next writer gets a clone of it
+    /// (reflink where the backend can), while the frozen one stays frozen for
+    /// as long as the old node may hold it.
+    fn new_generation(&self, id: &VolumeId, v: &mut VolumeMeta) -> CsiResult<()> {
+        let from = v.current_generation;
+        let next = v.generations.keys().max().copied().unwrap_or(0) + 1;
+        let start = std::time::Instant::now();
+        let kind = self.backend.clone_data(
+            &DataRef::Generation(id.clone(), from),
+            id,
+            next,
+            v.capacity_bytes,
+        )?;
+        v.generations.insert(
+            next,
+            Generation {
+                created_at: now_nanos(),
+                origin: Some(kind),
+                fenced_at: None,
+                fenced_node: None,
+            },
+        );
+        v.current_generation = next;
+        self.persist(v)?;
+        tracing::info!(volume = %id, from, to = next, ?kind, ms = start.elapsed().as_secs_f64() * 1e3, "new generation after fence");
+        Ok(())
+    }
+
+    /// A node fenced from a generation may be published to again only once it
+    /// has let go of that generation (force-unpublished and force-unstaged).
+    fn lift_quarantine(&self, id: &VolumeId, v: &mut VolumeMeta, node: &str) -> CsiResult<()> {
+        let Some(&gen) = v.quarantined.get(node) else {
+            return Ok(());
+        };
+        let holders = self.backend.holders(id, gen)?;
+        if !holders.is_empty() {
+            return Err(CsiError::FailedPrecondition(format!(
+                "node {node} was fenced from volume {id} and still holds generation {gen} ({}); it must force-unpublish and force-unstage it first",
+                holders.iter().map(|l| l.device.display().to_string()).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        v.quarantined.remove(node);
+        self.persist(v)?;
+        tracing::info!(volume = %id, node, generation = gen, "quarantine lifted: the node released the fenced generation");
+        Ok(())
+    }
+
+    pub(super) fn unpublish(
+        &self,
+        req: ControllerUnpublishVolumeRequest,
+    ) -> CsiResult<ControllerUnpublishVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        if !req.node_id.is_empty() {
+            check_token("node ID", &req.node_id)?;
+        }
+        let (id, _) = self.existing_volume(&req.volume_id)?;
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let mut v = self
+            .store
+            .volume(&id)
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        let nodes: Vec<String> = if req.node_id.is_empty() {
+            v.attachments.keys().cloned().collect()
+        } else {
+            vec![req.node_id.clone()]
+        };
+
+        if req.fence {
+            // Freeze every generation a target node holds. Nothing is recorded
+            // until every freeze succeeded: a failed fence leaves the volume as it was.
+            let mut gens: Vec<u64> = nodes
+                .iter()
+                .filter_map(|n| v.attachments.get(n).map(|a| a.generation))
+                .collect();
+            gens.sort_unstable();
+            gens.dedup();
+            for gen in &gens {
+                let already = v
+                    .generations
+                    .get(gen)
+                    .is_some_and(|g| g.fenced_at.is_some());
+                let report = self.backend.freeze(&id, *gen)?;
+                tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.drained.len(),
+                    us = report.elapsed.as_micros() as u64, refreeze = already, "write fence made");
+            }
+            let now = now_nanos();
+            for node in &nodes {
+                if let Some(a) = v.attachments.remove(node) {
+                    if let Some(g) = v.generations.get_mut(&a.generation) {
+                        if g.fenced_at.is_none() {
+                            g.fenced_at = Some(now);
+                            g.fenced_node = Some(node.clone());
+                        }
+                    }
+                    v.quarantined.insert(node.clone(), a.generation);
+                }
+            }
+            if gens.is_empty() {
+                tracing::info!(volume = %id, nodes = ?nodes, "fence requested but no attachment to fence (already fenced or never published)");
+            }
+        } else {
+            for node in &nodes {
+                if v.attachments.remove(node).is_some() {
+                    tracing::info!(volume = %id, node, "volume unpublished");
+                }
+            }
+        }
+        self.persist(&v)?;
+        Ok(ControllerUnpublishVolumeResponse {})
+    }
+
+    /// Deletes fenced, superseded generations nobody holds and lifts the
+    /// matching quarantines. Safe to run at any time; skips busy volumes.
+    pub fn collect_garbage(&self) -> usize {
+        let mut removed = 0;
+        for meta in self.store.volumes() {
+            let id = meta.volume_id();
+            let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
+                continue;
+            };
+            let Some(mut v) = self.store.volume(&id) else {
+                continue;
+            };
+            let candidates: Vec<u64> = v
+                .generations
+                .iter()
+                .filter(|(g, m)| **g != v.current_generation && m.fenced_at.is_some())
+                .map(|(g, _)| *g)
+                .collect();
+            let mut changed = false;
+            for gen in candidates {
+                match self.backend.holders(&id, gen) {
+                    Ok(h) if h.is_empty() => {}
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::warn!(volume = %id, generation = gen, error = %e, "cannot inspect fenced generation");
+                        continue;
+                    }
+                }
+                if let Err(e) = self.backend.remove_generation(&id, gen) {
+                    tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
+                    continue;
+                }
+                v.generations.remove(&gen);
+                v.quarantined.retain(|_, g| *g != gen);
+                changed = true;
+                removed += 1;
+                tracing::info!(volume = %id, generation = gen, "released fenced generation removed");
+            }
+            // Quarantines on a generation that is still current (not yet
+            // republished) lift as soon as nothing holds it.
+            let released: Vec<String> = v
+                .quarantined
+                .iter()
+                .filter(|(_, g)| self.backend.holders(&id, **g).is_ok_and(|h| h.is_empty()))
+                .map(|(n, _)| n.clone())
+                .collect();
+            for node in released {
+                v.quarantined.remove(&node);
+                changed = true;
+                tracing::info!(volume = %id, node, "quarantine lifted: the node released the fenced generation");
+            }
+            if changed {
+                if let Err(e) = self.persist(&v) {
+                    tracing::error!(volume = %id, error = %e, "cannot record garbage collection");
+                }
+            }
+        }
+        removed
+    }
+}
+
+/// Parses a generation number from a publish context.
+pub fn generation_from_context(
+    ctx: &std::collections::HashMap<String, String>,
+) -> Option<Result<u64, CsiError>> {
+    ctx.get(CTX_GENERATION).map(|g| {
+        g.parse::<u64>().map_err(|_| {
+            CsiError::InvalidArgument(format!("publish_context generation {g:?} is not a number"))
+        })
+    })
+}

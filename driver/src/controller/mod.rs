@@ -1,0 +1,251 @@
+//! The CSI Controller service: volume lifecycle (`volumes`), attachments and
+//! the fence (`attach`), snapshots (`snapshots`). Every RPC runs its blocking
+//! work (files, ioctls, clones) off the async runtime and holds the volume's
+//! in-flight lock, so concurrent calls for one volume get ABORTED.
+
+pub mod attach;
+mod snapshots;
+mod volumes;
+
+use std::sync::Arc;
+
+use fencecsi_proto::v1::controller_server::Controller as CsiController;
+use fencecsi_proto::v1::controller_service_capability::{
+    rpc::Type as RpcType, Rpc, Type as CapType,
+};
+use fencecsi_proto::v1::*;
+use tonic::{Request, Response, Status};
+
+use crate::backend::image::ImageBackend;
+use crate::backend::meta::MetaStore;
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::error::{CsiError, CsiResult};
+use crate::ids::{Parsed, VolumeId};
+use crate::locks::InFlight;
+
+/// Keys of the publish_context the node plugin reads.
+pub const CTX_GENERATION: &str = "loop.fencecsi.io/generation";
+pub const CTX_FS_TYPE: &str = "loop.fencecsi.io/fs-type";
+pub const CTX_READONLY: &str = "loop.fencecsi.io/readonly";
+/// Key of the volume_context carrying the filesystem.
+pub const VOL_CTX_FS_TYPE: &str = "fsType";
+/// Topology key: nodes and controller sharing a kernel can share loop-image volumes.
+pub const TOPOLOGY_KEY: &str = "topology.loop.fencecsi.io/kernel";
+
+/// The value of [`TOPOLOGY_KEY`] for this machine: its kernel boot ID.
+pub fn kernel_segment() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+pub struct Controller {
+    pub(crate) cfg: Config,
+    pub(crate) store: MetaStore,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) inflight: InFlight,
+    pub(crate) kernel: String,
+}
+
+impl Controller {
+    pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
+        std::fs::create_dir_all(&cfg.state_dir)?;
+        let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
+        let store = MetaStore::open(&cfg.state_dir)?;
+        tracing::info!(state_dir = %cfg.state_dir.display(), volumes = store.volumes().len(), "controller state loaded");
+        Ok(Arc::new(Controller {
+            cfg,
+            store,
+            backend: Arc::new(backend),
+            inflight: InFlight::new(),
+            kernel: kernel_segment(),
+        }))
+    }
+
+    pub(crate) fn topology(&self) -> Topology {
+        Topology {
+            segments: [(TOPOLOGY_KEY.to_string(), self.kernel.clone())].into(),
+        }
+    }
+
+    /// A client's volume ID that must name an existing volume of ours.
+    pub(crate) fn existing_volume(
+        &self,
+        raw: &str,
+    ) -> CsiResult<(VolumeId, crate::backend::meta::VolumeMeta)> {
+        match VolumeId::parse(raw)? {
+            Parsed::Ours(id) => match self.store.volume(&id) {
+                Some(v) => Ok((id, v)),
+                None => Err(CsiError::NotFound(format!("volume {raw} does not exist"))),
+            },
+            Parsed::Foreign => Err(CsiError::NotFound(format!("volume {raw} does not exist"))),
+        }
+    }
+
+    pub(crate) fn persist(&self, v: &crate::backend::meta::VolumeMeta) -> CsiResult<()> {
+        self.store
+            .put_volume(v)
+            .map_err(|e| CsiError::internal("writing volume metadata", e))
+    }
+
+    fn capabilities() -> Vec<ControllerServiceCapability> {
+        [
+            RpcType::CreateDeleteVolume,
+            RpcType::PublishUnpublishVolume,
+            RpcType::ListVolumes,
+            RpcType::GetCapacity,
+            RpcType::CreateDeleteSnapshot,
+            RpcType::ListSnapshots,
+            RpcType::CloneVolume,
+            RpcType::PublishReadonly,
+            RpcType::ExpandVolume,
+            RpcType::ListVolumesPublishedNodes,
+            RpcType::VolumeCondition,
+            RpcType::GetVolume,
+            RpcType::SingleNodeMultiWriter,
+            RpcType::UnpublishFence,
+        ]
+        .into_iter()
+        .map(|t| ControllerServiceCapability {
+            r#type: Some(CapType::Rpc(Rpc { r#type: t as i32 })),
+        })
+        .collect()
+    }
+}
+
+/// The tonic-facing wrapper.
+#[derive(Clone)]
+pub struct ControllerService(pub Arc<Controller>);
+
+/// Runs a blocking RPC body on the blocking pool and logs its outcome.
+async fn blocking<T: Send + 'static>(
+    rpc: &'static str,
+    f: impl FnOnce() -> CsiResult<T> + Send + 'static,
+) -> Result<Response<T>, Status> {
+    let start = std::time::Instant::now();
+    let result = tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("{rpc} panicked: {e}")))?;
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(v) => {
+            tracing::debug!(rpc, ms, "ok");
+            Ok(Response::new(v))
+        }
+        Err(e) => {
+            tracing::warn!(rpc, ms, code = ?e.code(), error = %e, "failed");
+            Err(e.into())
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl CsiController for ControllerService {
+    async fn create_volume(
+        &self,
+        r: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let c = self.0.clone();
+        blocking("CreateVolume", move || c.create_volume(r.into_inner())).await
+    }
+    async fn delete_volume(
+        &self,
+        r: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let c = self.0.clone();
+        blocking("DeleteVolume", move || c.delete_volume(r.into_inner())).await
+    }
+    async fn controller_publish_volume(
+        &self,
+        r: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ControllerPublishVolume", move || c.publish(r.into_inner())).await
+    }
+    async fn controller_unpublish_volume(
+        &self,
+        r: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ControllerUnpublishVolume", move || {
+            c.unpublish(r.into_inner())
+        })
+        .await
+    }
+    async fn validate_volume_capabilities(
+        &self,
+        r: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ValidateVolumeCapabilities", move || {
+            c.validate(r.into_inner())
+        })
+        .await
+    }
+    async fn list_volumes(
+        &self,
+        r: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ListVolumes", move || c.list_volumes(r.into_inner())).await
+    }
+    async fn get_capacity(
+        &self,
+        r: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        let c = self.0.clone();
+        blocking("GetCapacity", move || c.get_capacity(r.into_inner())).await
+    }
+    async fn controller_get_capabilities(
+        &self,
+        _r: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities: Controller::capabilities(),
+        }))
+    }
+    async fn create_snapshot(
+        &self,
+        r: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        let c = self.0.clone();
+        blocking("CreateSnapshot", move || c.create_snapshot(r.into_inner())).await
+    }
+    async fn delete_snapshot(
+        &self,
+        r: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        let c = self.0.clone();
+        blocking("DeleteSnapshot", move || c.delete_snapshot(r.into_inner())).await
+    }
+    async fn list_snapshots(
+        &self,
+        r: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ListSnapshots", move || c.list_snapshots(r.into_inner())).await
+    }
+    async fn controller_expand_volume(
+        &self,
+        r: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ControllerExpandVolume", move || c.expand(r.into_inner())).await
+    }
+    async fn controller_get_volume(
+        &self,
+        r: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        let c = self.0.clone();
+        blocking("ControllerGetVolume", move || c.get_volume(r.into_inner())).await
+    }
+    async fn controller_modify_volume(
+        &self,
+        _r: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "ControllerModifyVolume is not supported (MODIFY_VOLUME is not advertised)",
+        ))
+    }
+}

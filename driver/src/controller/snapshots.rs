@@ -1,0 +1,167 @@
+//! Snapshot RPCs. A snapshot is a point-in-time copy of the volume's current
+//! generation: a reflink clone where the backend supports it, a sparse copy
+//! otherwise.
+
+use fencecsi_proto::v1::*;
+
+use super::Controller;
+use crate::backend::meta::{now_nanos, SnapshotMeta};
+use crate::error::{CsiError, CsiResult};
+use crate::ids::{Parsed, SnapshotId};
+
+fn timestamp(nanos: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: nanos / 1_000_000_000,
+        nanos: (nanos % 1_000_000_000) as i32,
+    }
+}
+
+fn to_csi(s: &SnapshotMeta) -> Snapshot {
+    Snapshot {
+        size_bytes: s.size_bytes as i64,
+        snapshot_id: s.id.clone(),
+        source_volume_id: s.source_volume_id.clone(),
+        creation_time: Some(timestamp(s.created_at)),
+        ready_to_use: s.ready,
+        group_snapshot_id: String::new(),
+    }
+}
+
+impl Controller {
+    pub(super) fn create_snapshot(
+        &self,
+        req: CreateSnapshotRequest,
+    ) -> CsiResult<CreateSnapshotResponse> {
+        if req.name.is_empty() {
+            return Err(CsiError::InvalidArgument("name is required".into()));
+        }
+        if req.source_volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument(
+                "source_volume_id is required".into(),
+            ));
+        }
+        if let Some(k) = req
+            .parameters
+            .keys()
+            .find(|k| !k.starts_with("csi.storage.k8s.io/"))
+        {
+            return Err(CsiError::InvalidArgument(format!(
+                "unknown snapshot parameter {k:?} (none are supported)"
+            )));
+        }
+        let _name_lock = self
+            .inflight
+            .try_lock(format!("snapshot-name:{}", req.name))?;
+        if let Some(existing) = self.store.snapshot_by_name(&req.name) {
+            if existing.source_volume_id != req.source_volume_id {
+                return Err(CsiError::AlreadyExists(format!(
+                    "snapshot {:?} already exists for volume {}",
+                    req.name, existing.source_volume_id
+                )));
+            }
+            return Ok(CreateSnapshotResponse {
+                snapshot: Some(to_csi(&existing)),
+            });
+        }
+        let (vid, _) = self.existing_volume(&req.source_volume_id)?;
+        let _vol_lock = self.inflight.try_lock(vid.as_str())?;
+        let v = self
+            .store
+            .volume(&vid)
+            .ok_or_else(|| CsiError::NotFound(format!("volume {vid} does not exist")))?;
+        let sid = SnapshotId::generate();
+        let (origin, size) = self.backend.snapshot(&vid, v.current_generation, &sid)?;
+        let meta = SnapshotMeta {
+            id: sid.to_string(),
+            name: req.name.clone(),
+            source_volume_id: vid.to_string(),
+            size_bytes: size,
+            created_at: now_nanos(),
+            ready: true,
+            origin: Some(origin),
+        };
+        if let Err(e) = self.store.put_snapshot(&meta) {
+            let _ = self.backend.delete_snapshot(&sid);
+            return Err(CsiError::internal("writing snapshot metadata", e));
+        }
+        tracing::info!(snapshot = %sid, volume = %vid, size, ?origin, "snapshot created");
+        Ok(CreateSnapshotResponse {
+            snapshot: Some(to_csi(&meta)),
+        })
+    }
+
+    pub(super) fn delete_snapshot(
+        &self,
+        req: DeleteSnapshotRequest,
+    ) -> CsiResult<DeleteSnapshotResponse> {
+        let sid = match SnapshotId::parse(&req.snapshot_id)? {
+            Parsed::Ours(s) => s,
+            Parsed::Foreign => return Ok(DeleteSnapshotResponse {}),
+        };
+        let _lock = self.inflight.try_lock(sid.as_str())?;
+        // Record first, then data: a crash in between leaves unreferenced data
+        // that a retried delete still removes.
+        self.store
+            .remove_snapshot_record(&sid)
+            .map_err(|e| CsiError::internal("removing snapshot metadata", e))?;
+        self.backend.delete_snapshot(&sid)?;
+        tracing::info!(snapshot = %sid, "snapshot deleted");
+        Ok(DeleteSnapshotResponse {})
+    }
+
+    pub(super) fn list_snapshots(
+        &self,
+        req: ListSnapshotsRequest,
+    ) -> CsiResult<ListSnapshotsResponse> {
+        if req.max_entries < 0 {
+            return Err(CsiError::InvalidArgument(
+                "max_entries must not be negative".into(),
+            ));
+        }
+        let after = if req.starting_token.is_empty() {
+            None
+        } else {
+            match SnapshotId::parse(&req.starting_token) {
+                Ok(Parsed::Ours(s)) => Some(s.to_string()),
+                _ => {
+                    return Err(CsiError::Aborted(format!(
+                        "starting_token {:?} is not a token this plugin issued",
+                        req.starting_token
+                    )))
+                }
+            }
+        };
+        let mut all: Vec<SnapshotMeta> = self
+            .store
+            .snapshots()
+            .into_iter()
+            .filter(|s| req.snapshot_id.is_empty() || s.id == req.snapshot_id)
+            .filter(|s| {
+                req.source_volume_id.is_empty() || s.source_volume_id == req.source_volume_id
+            })
+            .filter(|s| after.as_ref().is_none_or(|a| s.id.as_str() > a.as_str()))
+            .collect();
+        all.sort_by(|a, b| a.id.cmp(&b.id));
+        let limit = if req.max_entries == 0 {
+            usize::MAX
+        } else {
+            req.max_entries as usize
+        };
+        let more = all.len() > limit;
+        all.truncate(limit);
+        let next_token = if more {
+            all.last().map(|s| s.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(ListSnapshotsResponse {
+            entries: all
+                .iter()
+                .map(|s| list_snapshots_response::Entry {
+                    snapshot: Some(to_csi(s)),
+                })
+                .collect(),
+            next_token,
+        })
+    }
+}

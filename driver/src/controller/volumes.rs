@@ -1,0 +1,601 @@
+//! Volume lifecycle RPCs.
+
+use std::collections::BTreeMap;
+
+use fencecsi_proto::v1::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
+use fencecsi_proto::v1::*;
+
+use super::{Controller, VOL_CTX_FS_TYPE};
+use crate::backend::meta::{now_nanos, Generation, Source, VolumeMeta, VolumeState};
+use crate::backend::DataRef;
+use crate::capability::{self, Access};
+use crate::error::{CsiError, CsiResult};
+use crate::ids::{Parsed, SnapshotId, VolumeId};
+
+pub(super) const DEFAULT_SIZE: u64 = 1 << 30;
+const ALIGN: u64 = 1 << 20;
+/// StorageClass parameter naming the filesystem.
+pub const PARAM_FS_TYPE: &str = "fsType";
+/// Parameters Kubernetes sidecars may add; accepted and ignored.
+const K8S_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
+
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+/// Resolves a CSI capacity range into a size: INVALID_ARGUMENT when the range
+/// is malformed, OUT_OF_RANGE when it cannot be met.
+pub(super) fn size_for(
+    range: Option<&CapacityRange>,
+    min: u64,
+    backend_total: u64,
+) -> CsiResult<u64> {
+    let (req, lim) = range
+        .map(|r| (r.required_bytes, r.limit_bytes))
+        .unwrap_or((0, 0));
+    if req < 0 || lim < 0 {
+        return Err(CsiError::InvalidArgument(
+            "capacity_range values must not be negative".into(),
+        ));
+    }
+    let (req, lim) = (req as u64, lim as u64);
+    if lim != 0 && req > lim {
+        return Err(CsiError::InvalidArgument(format!(
+            "required_bytes {req} exceeds limit_bytes {lim}"
+        )));
+    }
+    let mut size = if req == 0 {
+        DEFAULT_SIZE.max(min)
+    } else {
+        round_up(req).max(min)
+    };
+    if lim != 0 && size > lim {
+        // Rounding up or the filesystem minimum overshot the limit: use the
+        // limit itself when it is still big enough.
+        size = if lim >= min.max(req) {
+            lim
+        } else {
+            return Err(CsiError::OutOfRange(format!("no size between {req} and {lim} bytes works: the minimum for this volume is {min} bytes")));
+        };
+        if req == 0 && size < min {
+            return Err(CsiError::OutOfRange(format!(
+                "limit_bytes {lim} is below the minimum {min}"
+            )));
+        }
+    }
+    if size > backend_total {
+        return Err(CsiError::OutOfRange(format!(
+            "{size} bytes is larger than the whole backend ({backend_total} bytes)"
+        )));
+    }
+    Ok(size)
+}
+
+impl Controller {
+    /// Checks StorageClass parameters and returns the filesystem they ask for.
+    pub(super) fn parse_parameters(
+        &self,
+        params: &std::collections::HashMap<String, String>,
+    ) -> CsiResult<Option<String>> {
+        let mut fs = None;
+        for (k, v) in params {
+            if k == PARAM_FS_TYPE {
+                if !capability::FS_TYPES.contains(&v.as_str()) {
+                    return Err(CsiError::InvalidArgument(format!(
+                        "parameter fsType={v:?} is not supported (ext4, xfs)"
+                    )));
+                }
+                fs = Some(v.clone());
+            } else if !k.starts_with(K8S_PARAM_PREFIX) {
+                return Err(CsiError::InvalidArgument(format!(
+                    "unknown parameter {k:?} (supported: fsType)"
+                )));
+            }
+        }
+        Ok(fs)
+    }
+
+    /// The filesystem for a volume: parameter, else the capabilities' choice, else the default.
+    fn choose_fs(&self, param: Option<String>, access: &[Access]) -> CsiResult<String> {
+        let named: Vec<&String> = access.iter().filter_map(|a| a.fs_type.as_ref()).collect();
+        if let Some(p) = &param {
+            if let Some(other) = named.iter().find(|f| **f != p) {
+                return Err(CsiError::InvalidArgument(format!(
+                    "capability asks for {other} but parameter fsType is {p}"
+                )));
+            }
+        }
+        if named.windows(2).any(|w| w[0] != w[1]) {
+            return Err(CsiError::InvalidArgument(
+                "capabilities name different filesystems".into(),
+            ));
+        }
+        Ok(param
+            .or_else(|| named.first().map(|s| s.to_string()))
+            .unwrap_or_else(|| self.cfg.default_fs_type.clone()))
+    }
+
+    pub(crate) fn to_csi(&self, v: &VolumeMeta) -> Volume {
+        Volume {
+            capacity_bytes: v.capacity_bytes as i64,
+            volume_id: v.id.clone(),
+            volume_context: [(VOL_CTX_FS_TYPE.to_string(), v.fs_type.clone())].into(),
+            content_source: v.source.as_ref().map(|s| VolumeContentSource {
+                r#type: Some(match s {
+                    Source::Snapshot(id) => SourceType::Snapshot(SnapshotSource {
+                        snapshot_id: id.clone(),
+                    }),
+                    Source::Volume(id) => SourceType::Volume(VolumeSource {
+                        volume_id: id.clone(),
+                    }),
+                }),
+            }),
+            accessible_topology: vec![self.topology()],
+        }
+    }
+
+    pub(super) fn create_volume(
+        &self,
+        req: CreateVolumeRequest,
+    ) -> CsiResult<CreateVolumeResponse> {
+        if req.name.is_empty() {
+            return Err(CsiError::InvalidArgument("name is required".into()));
+        }
+        if req.name.len() > 1024
+            || req
+                .name
+                .chars()
+                .any(|c| c.is_control() && !c.is_whitespace())
+        {
+            return Err(CsiError::InvalidArgument(
+                "name must be at most 1024 bytes without control characters".into(),
+            ));
+        }
+        let access = capability::parse_all(&req.volume_capabilities)?;
+        let fs_type = self.choose_fs(self.parse_parameters(&req.parameters)?, &access)?;
+        let all_block = access.iter().all(|a| a.block);
+        let min = capability::min_size(&fs_type, all_block);
+        let total = self.backend.capacity()?.total_bytes;
+        let size = size_for(req.capacity_range.as_ref(), min, total)?;
+        if let Some(t) = &req.accessibility_requirements {
+            let ours = self.topology();
+            if !t.requisite.is_empty() && !t.requisite.contains(&ours) {
+                return Err(CsiError::ResourceExhausted(format!(
+                    "volumes can only be made accessible from {ours:?}"
+                )));
+            }
+        }
+        let source = match req
+            .volume_content_source
+            .as_ref()
+            .and_then(|s| s.r#type.as_ref())
+        {
+            None => None,
+            Some(SourceType::Snapshot(s)) => Some(Source::Snapshot(s.snapshot_id.clone())),
+            Some(SourceType::Volume(s)) => Some(Source::Volume(s.volume_id.clone())),
+        };
+
+        let _name_lock = self.inflight.try_lock(format!("name:{}", req.name))?;
+        if let Some(existing) = self.store.volume_by_name(&req.name) {
+            let lim = req
+                .capacity_range
+                .as_ref()
+                .map(|r| r.limit_bytes as u64)
+                .unwrap_or(0);
+            let reqb = req
+                .capacity_range
+                .as_ref()
+                .map(|r| r.required_bytes as u64)
+                .unwrap_or(0);
+            let fits =
+                existing.capacity_bytes >= reqb && (lim == 0 || existing.capacity_bytes <= lim);
+            if !fits || existing.source != source || existing.fs_type != fs_type {
+                return Err(CsiError::AlreadyExists(format!(
+                    "volume {} already exists with name {:?} but a different size, source or filesystem",
+                    existing.id, req.name
+                )));
+            }
+            let v = if existing.state == VolumeState::Creating {
+                self.finish_create(existing)?
+            } else {
+                existing
+            };
+            return Ok(CreateVolumeResponse {
+                volume: Some(self.to_csi(&v)),
+            });
+        }
+
+        // Check the source before writing anything.
+        let min_from_source = match &source {
+            None => 0,
+            Some(Source::Snapshot(raw)) => {
+                let snap = match SnapshotId::parse(raw)? {
+                    Parsed::Ours(s) => self.store.snapshot(&s).map(|m| (s, m)),
+                    Parsed::Foreign => None,
+                };
+                let (_, m) = snap
+                    .ok_or_else(|| CsiError::NotFound(format!("snapshot {raw} does not exist")))?;
+                m.size_bytes
+            }
+            Some(Source::Volume(raw)) => self.existing_volume(raw)?.1.capacity_bytes,
+        };
+        if size < min_from_source {
+            return Err(CsiError::OutOfRange(format!(
+                "requested {size} bytes is smaller than the source ({min_from_source} bytes)"
+            )));
+        }
+
+        let id = VolumeId::generate();
+        let meta = VolumeMeta {
+            id: id.to_string(),
+            name: req.name.clone(),
+            state: VolumeState::Creating,
+            capacity_bytes: size,
+            fs_type,
+            parameters: req
+                .parameters
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<BTreeMap<_, _>>(),
+            source,
+            created_at: now_nanos(),
+            current_generation: 1,
+            generations: BTreeMap::from([(
+                1,
+                Generation {
+                    created_at: now_nanos(),
+                    origin: None,
+                    fenced_at: None,
+                    fenced_node: None,
+                },
+            )]),
+            attachments: BTreeMap::new(),
+            quarantined: BTreeMap::new(),
+        };
+        // Metadata first: a crash after this point leaves a Creating record
+        // that a retry with the same name completes, so no image is orphaned.
+        self.persist(&meta)?;
+        let v = self.finish_create(meta)?;
+        tracing::info!(volume = %v.id, name = %v.name, size = v.capacity_bytes, fs = %v.fs_type, "volume created");
+        Ok(CreateVolumeResponse {
+            volume: Some(self.to_csi(&v)),
+        })
+    }
+
+    /// Writes the data of a Creating volume and marks it Ready (idempotent).
+    fn finish_create(&self, mut v: VolumeMeta) -> CsiResult<VolumeMeta> {
+        let id = v.volume_id();
+        let origin = match &v.source {
+            None => {
+                self.backend.create(&id, 1, v.capacity_bytes)?;
+                None
+            }
+            Some(Source::Snapshot(raw)) => {
+                let Ok(Parsed::Ours(sid)) = SnapshotId::parse(raw) else {
+                    unreachable!("checked before the record was written")
+                };
+                if self.store.snapshot(&sid).is_none() {
+                    return Err(CsiError::NotFound(format!(
+                        "snapshot {raw} no longer exists"
+                    )));
+                }
+                Some(
+                    self.backend
+                        .clone_data(&DataRef::Snapshot(sid), &id, 1, v.capacity_bytes)?,
+                )
+            }
+            Some(Source::Volume(raw)) => {
+                let (src, m) = self.existing_volume(raw)?;
+                Some(self.backend.clone_data(
+                    &DataRef::Generation(src, m.current_generation),
+                    &id,
+                    1,
+                    v.capacity_bytes,
+                )?)
+            }
+        };
+        if let Some(g) = v.generations.get_mut(&1) {
+            g.origin = origin;
+        }
+        v.state = VolumeState::Ready;
+        self.persist(&v)?;
+        Ok(v)
+    }
+
+    pub(super) fn delete_volume(
+        &self,
+        req: DeleteVolumeRequest,
+    ) -> CsiResult<DeleteVolumeResponse> {
+        let id = match VolumeId::parse(&req.volume_id)? {
+            Parsed::Ours(id) => id,
+            // Not ours, so certainly not there: deleting it is done.
+            Parsed::Foreign => return Ok(DeleteVolumeResponse {}),
+        };
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let Some(v) = self.store.volume(&id) else {
+            // A crash may have left data without a record.
+            self.backend.delete_volume(&id)?;
+            return Ok(DeleteVolumeResponse {});
+        };
+        if !v.attachments.is_empty() {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id} is still published to {}",
+                v.attachments.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        self.backend.delete_volume(&id)?;
+        self.store
+            .remove_volume(&id)
+            .map_err(|e| CsiError::internal("removing volume metadata", e))?;
+        tracing::info!(volume = %id, "volume deleted");
+        Ok(DeleteVolumeResponse {})
+    }
+
+    pub(super) fn validate(
+        &self,
+        req: ValidateVolumeCapabilitiesRequest,
+    ) -> CsiResult<ValidateVolumeCapabilitiesResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let (_, v) = self.existing_volume(&req.volume_id)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(CsiError::InvalidArgument(
+                "volume_capabilities is required".into(),
+            ));
+        }
+        let unsupported = req
+            .volume_capabilities
+            .iter()
+            .map(capability::parse)
+            .find_map(Result::err)
+            .map(|e| e.to_string())
+            .or_else(|| {
+                req.volume_capabilities
+                    .iter()
+                    .filter_map(|c| capability::parse(c).ok())
+                    .find_map(|a| {
+                        a.fs_type
+                            .filter(|f| *f != v.fs_type)
+                            .map(|f| format!("volume has a {} filesystem, not {f}", v.fs_type))
+                    })
+            });
+        let unsupported = unsupported.or_else(|| {
+            self.parse_parameters(&req.parameters)
+                .err()
+                .map(|e| e.to_string())
+        });
+        Ok(match unsupported {
+            Some(message) => ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message,
+            },
+            None => ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(validate_volume_capabilities_response::Confirmed {
+                    volume_context: req.volume_context,
+                    volume_capabilities: req.volume_capabilities,
+                    parameters: req.parameters,
+                    mutable_parameters: Default::default(),
+                }),
+                message: String::new(),
+            },
+        })
+    }
+
+    pub(super) fn list_volumes(&self, req: ListVolumesRequest) -> CsiResult<ListVolumesResponse> {
+        if req.max_entries < 0 {
+            return Err(CsiError::InvalidArgument(
+                "max_entries must not be negative".into(),
+            ));
+        }
+        let after = if req.starting_token.is_empty() {
+            None
+        } else {
+            match VolumeId::parse(&req.starting_token) {
+                Ok(Parsed::Ours(id)) => Some(id.to_string()),
+                _ => {
+                    return Err(CsiError::Aborted(format!(
+                        "starting_token {:?} is not a token this plugin issued",
+                        req.starting_token
+                    )))
+                }
+            }
+        };
+        let limit = if req.max_entries == 0 {
+            usize::MAX
+        } else {
+            req.max_entries as usize
+        };
+        let (page, more) = self.store.volumes_after(after.as_deref(), limit);
+        let next_token = if more {
+            page.last().map(|v| v.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let entries = page
+            .iter()
+            .map(|v| list_volumes_response::Entry {
+                volume: Some(self.to_csi(v)),
+                status: Some(list_volumes_response::VolumeStatus {
+                    published_node_ids: v.attachments.keys().cloned().collect(),
+                    volume_condition: Some(self.condition(v)),
+                }),
+            })
+            .collect();
+        Ok(ListVolumesResponse {
+            entries,
+            next_token,
+        })
+    }
+
+    /// The volume's health as the controller sees it, including who still
+    /// holds fenced generations (usage detection by backing inode).
+    pub(super) fn condition(&self, v: &VolumeMeta) -> VolumeCondition {
+        let id = v.volume_id();
+        if v.state == VolumeState::Ready
+            && !self.backend.generation_exists(&id, v.current_generation)
+        {
+            return VolumeCondition {
+                abnormal: true,
+                message: format!("data of generation {} is missing", v.current_generation),
+            };
+        }
+        let mut notes = Vec::new();
+        for (gen, g) in &v.generations {
+            let holders = match self.backend.holders(&id, *gen) {
+                Ok(h) => h,
+                Err(e) => {
+                    return VolumeCondition {
+                        abnormal: true,
+                        message: format!("cannot inspect generation {gen}: {e}"),
+                    }
+                }
+            };
+            let devices: Vec<String> = holders
+                .iter()
+                .map(|l| l.device.display().to_string())
+                .collect();
+            match (&g.fenced_at, devices.is_empty()) {
+                (Some(_), false) => notes.push(format!(
+                    "fenced generation {gen} (node {}) is still held by {}; that node must force-unstage it",
+                    g.fenced_node.as_deref().unwrap_or("?"),
+                    devices.join(", ")
+                )),
+                (None, false) => notes.push(format!("generation {gen} attached as {}", devices.join(", "))),
+                _ => {}
+            }
+        }
+        let abnormal = notes.iter().any(|n| n.starts_with("fenced"));
+        VolumeCondition {
+            abnormal,
+            message: if notes.is_empty() {
+                "healthy".into()
+            } else {
+                notes.join("; ")
+            },
+        }
+    }
+
+    pub(super) fn get_capacity(&self, req: GetCapacityRequest) -> CsiResult<GetCapacityResponse> {
+        let fs = self
+            .parse_parameters(&req.parameters)?
+            .unwrap_or_else(|| self.cfg.default_fs_type.clone());
+        let access: Result<Vec<_>, _> = req
+            .volume_capabilities
+            .iter()
+            .map(capability::parse)
+            .collect();
+        let cap = self.backend.capacity()?;
+        let Ok(access) = access else {
+            // Nothing with those capabilities can be provisioned.
+            return Ok(GetCapacityResponse {
+                available_capacity: 0,
+                ..Default::default()
+            });
+        };
+        let block = !access.is_empty() && access.iter().all(|a| a.block);
+        Ok(GetCapacityResponse {
+            available_capacity: cap.available_bytes as i64,
+            maximum_volume_size: Some(cap.total_bytes as i64),
+            minimum_volume_size: Some(capability::min_size(&fs, block) as i64),
+        })
+    }
+
+    pub(super) fn expand(
+        &self,
+        req: ControllerExpandVolumeRequest,
+    ) -> CsiResult<ControllerExpandVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let range = req
+            .capacity_range
+            .as_ref()
+            .ok_or_else(|| CsiError::InvalidArgument("capacity_range is required".into()))?;
+        let (id, _) = self.existing_volume(&req.volume_id)?;
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let mut v = self
+            .store
+            .volume(&id)
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        if let Some(cap) = &req.volume_capability {
+            capability::parse(cap)?;
+        }
+        let total = self.backend.capacity()?.total_bytes;
+        let size = size_for(Some(range), v.capacity_bytes, total)?;
+        if size > v.capacity_bytes {
+            // A fenced current generation is immutable; the clone made at the
+            // next publish is created at the recorded size instead.
+            if !v.current_is_fenced() {
+                self.backend.grow(&id, v.current_generation, size)?;
+            }
+            v.capacity_bytes = size;
+            self.persist(&v)?;
+            tracing::info!(volume = %id, size, "volume expanded");
+        }
+        Ok(ControllerExpandVolumeResponse {
+            capacity_bytes: v.capacity_bytes as i64,
+            node_expansion_required: true,
+        })
+    }
+
+    pub(super) fn get_volume(
+        &self,
+        req: ControllerGetVolumeRequest,
+    ) -> CsiResult<ControllerGetVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let (_, v) = self.existing_volume(&req.volume_id)?;
+        Ok(ControllerGetVolumeResponse {
+            volume: Some(self.to_csi(&v)),
+            status: Some(controller_get_volume_response::VolumeStatus {
+                published_node_ids: v.attachments.keys().cloned().collect(),
+                volume_condition: Some(self.condition(&v)),
+            }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(req: i64, lim: i64) -> CapacityRange {
+        CapacityRange {
+            required_bytes: req,
+            limit_bytes: lim,
+        }
+    }
+
+    #[test]
+    fn sizes_round_up_and_respect_limits() {
+        let t = 1 << 40;
+        assert_eq!(size_for(None, 16 << 20, t).unwrap(), DEFAULT_SIZE);
+        assert_eq!(size_for(Some(&range(1, 0)), 16 << 20, t).unwrap(), 16 << 20);
+        assert_eq!(
+            size_for(Some(&range((5 << 20) + 1, 0)), 1 << 20, t).unwrap(),
+            6 << 20
+        );
+        assert_eq!(
+            size_for(Some(&range((5 << 20) + 1, (5 << 20) + 100)), 1 << 20, t).unwrap(),
+            (5 << 20) + 100
+        );
+        assert!(matches!(
+            size_for(Some(&range(-1, 0)), 1, t),
+            Err(CsiError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            size_for(Some(&range(10, 5)), 1, t),
+            Err(CsiError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            size_for(Some(&range(0, 1 << 20)), 300 << 20, t),
+            Err(CsiError::OutOfRange(_))
+        ));
+        assert!(matches!(
+            size_for(Some(&range(2 << 40, 0)), 1, t),
+            Err(CsiError::OutOfRange(_))
+        ));
+    }
+}

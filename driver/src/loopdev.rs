@@ -1,0 +1,1070 @@
+//! Loop devices driven directly by ioctl.
+//!
+//! Why hand-written ioctls rather than `loopdev-3` or `losetup`: loopdev-3 binds
+//! with LOOP_SET_FD + LOOP_SET_STATUS64 (two steps, so another process can see
+//! a half-configured device), never uses LOOP_CONFIGURE, does not retry the
+//! LOOP_CTL_GET_FREE race and needs libclang to build. Shelling out to losetup
+//! would make error handling string parsing. The kernel ABI used here is small
+//! and stable (include/uapi/linux/loop.h), so it is defined below.
+//!
+//! Rule kept by every function that changes a device (attach, detach,
+//! set_capacity, drain): the caller only passes devices this driver attached.
+//! `list`/`status`/`find_by_inode` only read.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::errno::Errno;
+use serde::{Deserialize, Serialize};
+
+/// `LO_NAME_SIZE`: lo_file_name is 64 bytes, the kernel forces the last to NUL.
+pub const LO_NAME_SIZE: usize = 64;
+/// Longest tag that fits into lo_file_name.
+pub const MAX_TAG_LEN: usize = LO_NAME_SIZE - 1;
+const LO_KEY_SIZE: usize = 32;
+
+/// Block major of loop devices (LOOP_MAJOR in include/uapi/linux/major.h).
+const LOOP_MAJOR: u32 = 7;
+
+const LO_FLAGS_READ_ONLY: u32 = 1;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+const LO_FLAGS_DIRECT_IO: u32 = 16;
+
+/// How often attach retries get-free + configure when another process takes
+/// the device it was given between the two calls (EBUSY/EAGAIN).
+const ATTACH_TRIES: u32 = 20;
+
+/// `struct loop_info64` from include/uapi/linux/loop.h.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct LoopInfo64 {
+    lo_device: u64,
+    lo_inode: u64,
+    lo_rdevice: u64,
+    lo_offset: u64,
+    lo_sizelimit: u64,
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    lo_file_name: [u8; LO_NAME_SIZE],
+    lo_crypt_name: [u8; LO_NAME_SIZE],
+    lo_encrypt_key: [u8; LO_KEY_SIZE],
+    lo_init: [u64; 2],
+}
+
+impl LoopInfo64 {
+    fn zeroed() -> Self {
+        // All-zero is a valid value for every field (plain integers and bytes).
+        unsafe { std::mem::zeroed() }
+    }
+}
+
+/// `struct loop_config` (LOOP_CONFIGURE, Linux >= 5.8).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+/// The loop ioctls are "bad" ones: plain numbers without size/direction bits.
+mod ioc {
+    use super::{LoopConfig, LoopInfo64};
+    nix::ioctl_write_int_bad!(loop_set_fd, 0x4C00);
+    nix::ioctl_none_bad!(loop_clr_fd, 0x4C01);
+    nix::ioctl_write_ptr_bad!(loop_set_status64, 0x4C04, LoopInfo64);
+    nix::ioctl_read_bad!(loop_get_status64, 0x4C05, LoopInfo64);
+    nix::ioctl_none_bad!(loop_set_capacity, 0x4C07);
+    nix::ioctl_write_int_bad!(loop_set_direct_io, 0x4C08);
+    nix::ioctl_write_ptr_bad!(loop_configure, 0x4C0A, LoopConfig);
+    nix::ioctl_none_bad!(loop_ctl_get_free, 0x4C82);
+    // BLKGETSIZE64 = _IOR(0x12, 114, size_t); size_t is u64 on 64-bit Linux.
+    nix::ioctl_read!(blkgetsize64, 0x12, 114, u64);
+}
+
+/// BLKGETSIZE64 on an open block device (shared with fsutil).
+pub(crate) fn blkgetsize64(file: &File) -> Result<u64, Errno> {
+    let mut size: u64 = 0;
+    unsafe { ioc::blkgetsize64(file.as_raw_fd(), &mut size) }?;
+    Ok(size)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error("open {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{op} on {device}: {source}")]
+    Ioctl {
+        op: &'static str,
+        device: PathBuf,
+        #[source]
+        source: Errno,
+    },
+    #[error("{0} is not bound to a backing file")]
+    NotBound(PathBuf),
+    #[error("{0} is not a loop device")]
+    NotLoopDevice(PathBuf),
+    #[error("invalid tag {tag:?}: {reason}")]
+    InvalidTag { tag: String, reason: &'static str },
+    #[error("no free loop device after {0} attempts: other processes kept taking them")]
+    NoFreeDevice(u32),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl LoopError {
+    fn ioctl(op: &'static str, device: &Path, source: Errno) -> Self {
+        LoopError::Ioctl {
+            op,
+            device: device.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// A bound loop device as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoopInfo {
+    /// `/dev/loopN`.
+    pub device: PathBuf,
+    pub number: u32,
+    /// st_dev of the backing file (same encoding as `MetadataExt::dev`).
+    pub backing_dev: u64,
+    /// st_ino of the backing file.
+    pub backing_ino: u64,
+    /// lo_file_name: whatever the attacher stored there (up to 63 bytes).
+    pub tag: String,
+    pub read_only: bool,
+    pub direct_io: bool,
+    pub autoclear: bool,
+    pub size_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttachOptions {
+    pub read_only: bool,
+    /// Ask for direct I/O on the backing file; silently dropped (with a log
+    /// line) when the backing filesystem refuses it. See `LoopInfo::direct_io`.
+    pub direct_io: bool,
+    /// Stored in lo_file_name; at most 63 bytes, no NUL.
+    pub tag: String,
+}
+
+fn device_path(number: u32) -> PathBuf {
+    PathBuf::from(format!("/dev/loop{number}"))
+}
+
+fn sys_loop_dir(number: u32) -> PathBuf {
+    PathBuf::from(format!("/sys/block/loop{number}"))
+}
+
+/// Opens a path that must be a loop block device. Checked first because the
+/// loop ioctl numbers are "bad" (no type bits) and could mean something else
+/// to another driver.
+fn open_loop(path: &Path, write: bool) -> Result<File, LoopError> {
+    let meta = std::fs::metadata(path).map_err(|source| LoopError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if !meta.file_type().is_block_device() || libc::major(meta.rdev()) != LOOP_MAJOR {
+        return Err(LoopError::NotLoopDevice(path.to_path_buf()));
+    }
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|source| LoopError::Open {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Makes sure /dev/loopN exists. devtmpfs normally creates it when the kernel
+/// adds the disk, but containers with a static /dev do not get new nodes.
+fn ensure_node(number: u32) -> Result<PathBuf, LoopError> {
+    let path = device_path(number);
+    if path.exists() {
+        return Ok(path);
+    }
+    // The minor is N only when max_part=0; sysfs has the real one.
+    let (major, minor) = std::fs::read_to_string(sys_loop_dir(number).join("dev"))
+        .ok()
+        .and_then(|s| {
+            let (a, b) = s.trim().split_once(':')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .unwrap_or((LOOP_MAJOR, number));
+    let mode = nix::sys::stat::Mode::from_bits_truncate(0o660);
+    match nix::sys::stat::mknod(
+        &path,
+        nix::sys::stat::SFlag::S_IFBLK,
+        mode,
+        libc::makedev(major, minor),
+    ) {
+        Ok(()) | Err(Errno::EEXIST) => Ok(path),
+        Err(e) => Err(LoopError::Io {
+            path,
+            source: e.into(),
+        }),
+    }
+}
+
+fn get_status_raw(file: &File, path: &Path) -> Result<LoopInfo64, LoopError> {
+    let mut info = LoopInfo64::zeroed();
+    match unsafe { ioc::loop_get_status64(file.as_raw_fd(), &mut info) } {
+        Ok(_) => Ok(info),
+        Err(Errno::ENXIO) => Err(LoopError::NotBound(path.to_path_buf())),
+        Err(Errno::ENOTTY) => Err(LoopError::NotLoopDevice(path.to_path_buf())),
+        Err(e) => Err(LoopError::ioctl("LOOP_GET_STATUS64", path, e)),
+    }
+}
+
+fn tag_of(info: &LoopInfo64) -> String {
+    let end = info
+        .lo_file_name
+        .iter()
+        .position(|&b| b == 0)
+        .unwrap_or(LO_NAME_SIZE);
+    String::from_utf8_lossy(&info.lo_file_name[..end]).into_owned()
+}
+
+fn validate_tag(tag: &str) -> Result<(), LoopError> {
+    if tag.len() > MAX_TAG_LEN {
+        return Err(LoopError::InvalidTag {
+            tag: tag.to_string(),
+            reason: "longer than 63 bytes",
+        });
+    }
+    if tag.as_bytes().contains(&0) {
+        return Err(LoopError::InvalidTag {
+            tag: tag.to_string(),
+            reason: "contains a NUL byte",
+        });
+    }
+    Ok(())
+}
+
+fn fill_name(info: &mut LoopInfo64, tag: &str) {
+    info.lo_file_name = [0; LO_NAME_SIZE];
+    info.lo_file_name[..tag.len()].copy_from_slice(tag.as_bytes());
+}
+
+/// Atomic bind + configure (Linux >= 5.8).
+fn configure(dev: &File, backing: &File, flags: u32, tag: &str) -> Result<(), Errno> {
+    let mut cfg = LoopConfig {
+        fd: backing.as_raw_fd() as u32,
+        block_size: 0,
+        info: LoopInfo64::zeroed(),
+        reserved: [0; 8],
+    };
+    // block_size 0: keep the kernel's default logical block size.
+    cfg.info.lo_flags = flags;
+    fill_name(&mut cfg.info, tag);
+    unsafe { ioc::loop_configure(dev.as_raw_fd(), &cfg) }.map(drop)
+}
+
+/// Pre-5.8 path: bind, then set the name. Not atomic: if the second step
+/// fails, the device is unbound again so nothing half-made stays behind.
+fn legacy_bind(dev: &File, dev_path: &Path, backing: &File, tag: &str) -> Result<(), Errno> {
+    unsafe { ioc::loop_set_fd(dev.as_raw_fd(), backing.as_raw_fd()) }?;
+    let mut info = LoopInfo64::zeroed();
+    fill_name(&mut info, tag);
+    if let Err(e) = unsafe { ioc::loop_set_status64(dev.as_raw_fd(), &info) } {
+        if let Err(e2) = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) } {
+            tracing::warn!(device = %dev_path.display(), error = %e2, "could not unbind after LOOP_SET_STATUS64 failed");
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Binds `file` to a free loop device and returns what the kernel actually set.
+///
+/// Direct I/O is best effort: when the kernel refuses it, the device is bound
+/// without it and `LoopInfo::direct_io` is false.
+pub fn attach(file: &Path, opts: &AttachOptions) -> Result<LoopInfo, LoopError> {
+    attach_inner(file, opts, true)
+}
+
+/// `try_configure = false` forces the pre-5.8 path (so tests can cover it).
+fn attach_inner(
+    file: &Path,
+    opts: &AttachOptions,
+    try_configure: bool,
+) -> Result<LoopInfo, LoopError> {
+    validate_tag(&opts.tag)?;
+    let backing = OpenOptions::new()
+        .read(true)
+        .write(!opts.read_only)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(file)
+        .map_err(|source| LoopError::Open {
+            path: file.to_path_buf(),
+            source,
+        })?;
+    let ctl_path = Path::new("/dev/loop-control");
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(ctl_path)
+        .map_err(|source| LoopError::Open {
+            path: ctl_path.to_path_buf(),
+            source,
+        })?;
+
+    let mut want_dio = opts.direct_io;
+    let mut use_configure = try_configure;
+    let mut bound: Option<PathBuf> = None;
+    for attempt in 0..ATTACH_TRIES {
+        let number = match unsafe { ioc::loop_ctl_get_free(ctl.as_raw_fd()) } {
+            Ok(n) => n as u32,
+            Err(e) => return Err(LoopError::ioctl("LOOP_CTL_GET_FREE", ctl_path, e)),
+        };
+        let dev_path = ensure_node(number)?;
+        // Write mode matters: the kernel makes the device read-only when the
+        // loop device itself was opened without write access.
+        let dev = match open_loop(&dev_path, true) {
+            Ok(f) => f,
+            // Removed by someone (LOOP_CTL_REMOVE) between get-free and open.
+            Err(LoopError::Open { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let res = if use_configure {
+            let mut flags = 0;
+            if opts.read_only {
+                flags |= LO_FLAGS_READ_ONLY;
+            }
+            if want_dio {
+                flags |= LO_FLAGS_DIRECT_IO;
+            }
+            configure(&dev, &backing, flags, &opts.tag)
+        } else {
+            legacy_bind(&dev, &dev_path, &backing, &opts.tag)
+        };
+        match res {
+            Ok(()) => {
+                bound = Some(dev_path);
+                if !use_configure && want_dio {
+                    // The legacy path can only ask for direct I/O afterwards.
+                    if let Err(e) = unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), 1) } {
+                        tracing::warn!(device = %bound.as_ref().unwrap().display(), error = %e, "direct I/O refused; using buffered I/O");
+                    }
+                }
+                break;
+            }
+            Err(Errno::EBUSY | Errno::EAGAIN) => {
+                // Another process bound this device after we were given it.
+                tracing::debug!(device = %dev_path.display(), attempt, "loop device taken concurrently; retrying");
+                std::thread::sleep(Duration::from_millis(2 + 3 * attempt as u64));
+            }
+            Err(Errno::EINVAL) if use_configure && want_dio => {
+                tracing::warn!(file = %file.display(), "LOOP_CONFIGURE refused direct I/O; retrying with buffered I/O");
+                want_dio = false;
+            }
+            Err(Errno::EINVAL | Errno::ENOTTY) if use_configure => {
+                tracing::info!(
+                    "LOOP_CONFIGURE unsupported; falling back to LOOP_SET_FD + LOOP_SET_STATUS64"
+                );
+                use_configure = false;
+                want_dio = opts.direct_io;
+            }
+            Err(e) => {
+                let op = if use_configure {
+                    "LOOP_CONFIGURE"
+                } else {
+                    "LOOP_SET_FD/LOOP_SET_STATUS64"
+                };
+                return Err(LoopError::ioctl(op, &dev_path, e));
+            }
+        }
+    }
+    let dev_path = bound.ok_or(LoopError::NoFreeDevice(ATTACH_TRIES))?;
+    let info = status(&dev_path)?;
+    if opts.direct_io && !info.direct_io {
+        tracing::warn!(device = %dev_path.display(), file = %file.display(), "direct I/O not in effect; the backing file is used with buffered I/O");
+    }
+    tracing::info!(device = %dev_path.display(), file = %file.display(), tag = %info.tag, read_only = info.read_only, direct_io = info.direct_io, "loop device attached");
+    Ok(info)
+}
+
+/// Unbinds a loop device (LOOP_CLR_FD).
+///
+/// Returns Ok when the device is already unbound (ENXIO). When the device is
+/// still open elsewhere (a mounted filesystem, a lazily unmounted one with
+/// open files, another process reading it), the kernel only marks it
+/// autoclear and unbinds it at the last close: that is Ok too, and the backing
+/// file stays held until then. Check `status()` if that matters.
+pub fn detach(device: &Path) -> Result<(), LoopError> {
+    let dev = open_loop(device, false)?;
+    match unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) } {
+        Ok(_) | Err(Errno::ENXIO) => {
+            tracing::info!(device = %device.display(), "loop device detached");
+            Ok(())
+        }
+        Err(e) => Err(LoopError::ioctl("LOOP_CLR_FD", device, e)),
+    }
+}
+
+/// What the kernel reports for one bound device. `NotBound` when it is free.
+pub fn status(device: &Path) -> Result<LoopInfo, LoopError> {
+    let dev = open_loop(device, false)?;
+    let raw = get_status_raw(&dev, device)?;
+    let size_bytes = blkgetsize64(&dev).map_err(|e| LoopError::ioctl("BLKGETSIZE64", device, e))?;
+    let number = raw.lo_number;
+    // sysfs is what the loop driver itself uses for dio; the flag is a fallback.
+    let direct_io = match std::fs::read_to_string(sys_loop_dir(number).join("loop/dio")) {
+        Ok(s) => s.trim() == "1",
+        Err(_) => raw.lo_flags & LO_FLAGS_DIRECT_IO != 0,
+    };
+    Ok(LoopInfo {
+        device: device_path(number),
+        number,
+        backing_dev: raw.lo_device,
+        backing_ino: raw.lo_inode,
+        tag: tag_of(&raw),
+        read_only: raw.lo_flags & LO_FLAGS_READ_ONLY != 0,
+        direct_io,
+        autoclear: raw.lo_flags & LO_FLAGS_AUTOCLEAR != 0,
+        size_bytes,
+    })
+}
+
+/// Every bound loop device on the machine, sorted by number.
+pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
+    let sys = Path::new("/sys/block");
+    let entries = std::fs::read_dir(sys).map_err(|source| LoopError::Io {
+        path: sys.to_path_buf(),
+        source,
+    })?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| LoopError::Io {
+            path: sys.to_path_buf(),
+            source,
+        })?;
+        let name = entry.file_name();
+        let Some(number) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("loop"))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // The "loop" subdirectory exists only while the device is bound.
+        if !entry.path().join("loop").exists() {
+            continue;
+        }
+        let path = ensure_node(number)?;
+        match status(&path) {
+            Ok(info) => out.push(info),
+            // Unbound or removed since the scan: not an error.
+            Err(LoopError::NotBound(_)) => {}
+            Err(LoopError::Open { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    out.sort_by_key(|i| i.number);
+    Ok(out)
+}
+
+/// Loop devices whose backing file is inode `ino` on device `dev` (values as
+/// from `std::os::unix::fs::MetadataExt`): who holds a generation file.
+pub fn find_by_inode(dev: u64, ino: u64) -> Result<Vec<LoopInfo>, LoopError> {
+    Ok(list()?
+        .into_iter()
+        .filter(|i| i.backing_dev == dev && i.backing_ino == ino)
+        .collect())
+}
+
+/// Re-reads the backing file's size after it grew; returns the new size.
+pub fn set_capacity(device: &Path) -> Result<u64, LoopError> {
+    // Read-only open is enough as root and cannot clash with a mounted fs's
+    // exclusive claim.
+    let dev = open_loop(device, false)?;
+    match unsafe { ioc::loop_set_capacity(dev.as_raw_fd()) } {
+        Ok(_) => {}
+        Err(Errno::ENXIO) => return Err(LoopError::NotBound(device.to_path_buf())),
+        Err(e) => return Err(LoopError::ioctl("LOOP_SET_CAPACITY", device, e)),
+    }
+    blkgetsize64(&dev).map_err(|e| LoopError::ioctl("BLKGETSIZE64", device, e))
+}
+
+/// Barrier: returns after every request already inside the loop device
+/// (buffered or async direct I/O) has completed against the backing file.
+///
+/// LOOP_SET_STATUS64 freezes the request queue, which waits for in-flight
+/// requests, and the device's own status is written back, so no setting
+/// changes. Requests still above the block layer (page cache, plugs) are not
+/// covered. Callers must not run detach concurrently on the same device: a
+/// LOOP_CLR_FD landing between our read and write would lose its autoclear.
+pub fn drain(device: &Path) -> Result<(), LoopError> {
+    let dev = open_loop(device, false)?;
+    let info = get_status_raw(&dev, device)?;
+    match unsafe { ioc::loop_set_status64(dev.as_raw_fd(), &info) } {
+        Ok(_) => Ok(()),
+        Err(Errno::ENXIO) => Err(LoopError::NotBound(device.to_path_buf())),
+        Err(e) => Err(LoopError::ioctl("LOOP_SET_STATUS64", device, e)),
+    }
+}
+
+/// Test helpers shared with the mounts and fsutil tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    pub(crate) fn is_root() -> bool {
+        nix::unistd::geteuid().is_root()
+    }
+
+    /// Skips (loudly) when not root: the tests need real kernel objects.
+    macro_rules! require_root {
+        () => {
+            if !$crate::loopdev::test_support::is_root() {
+                eprintln!("SKIPPED: needs root for loop devices and mounts");
+                return;
+            }
+        };
+    }
+    pub(crate) use require_root;
+
+    /// A unique tag per test so nothing is confused with other devices.
+    pub(crate) fn test_tag(name: &str) -> String {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        let t = format!("fcsi-t-{}-{nanos}-{name}", std::process::id());
+        t[..t.len().min(MAX_TAG_LEN)].to_string()
+    }
+
+    /// A sparse image file of `size` bytes.
+    pub(crate) fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
+        let p = dir.join(name);
+        let f = File::create(&p).unwrap();
+        f.set_len(size).unwrap();
+        p
+    }
+
+    /// Detaches the device it holds when dropped, panic or not.
+    pub(crate) struct LoopGuard(pub LoopInfo);
+
+    impl LoopGuard {
+        pub(crate) fn attach(file: &Path, opts: &AttachOptions) -> Self {
+            LoopGuard(attach(file, opts).expect("attach"))
+        }
+        pub(crate) fn path(&self) -> &Path {
+            &self.0.device
+        }
+    }
+
+    impl Drop for LoopGuard {
+        fn drop(&mut self) {
+            // Only detach if the device still carries our tag: after an
+            // explicit detach in the test the number may belong to someone else.
+            match status(&self.0.device) {
+                Ok(i) if i.tag == self.0.tag && i.backing_ino == self.0.backing_ino => {
+                    if let Err(e) = detach(&self.0.device) {
+                        eprintln!("cleanup: detach {}: {e}", self.0.device.display());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Waits until `device` no longer carries `info`'s binding (the kernel may
+    /// defer the unbind while a parallel test has the device open briefly).
+    pub(crate) fn wait_unbound(info: &LoopInfo) -> bool {
+        for _ in 0..200 {
+            match status(&info.device) {
+                Ok(i) if i.tag == info.tag && i.backing_ino == info.backing_ino => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                _ => return true,
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn kernel_struct_sizes() {
+        assert_eq!(std::mem::size_of::<LoopInfo64>(), 232);
+        assert_eq!(std::mem::size_of::<LoopConfig>(), 304);
+    }
+
+    #[test]
+    fn tag_validation() {
+        assert!(validate_tag(&"x".repeat(63)).is_ok());
+        assert!(matches!(
+            validate_tag(&"x".repeat(64)),
+            Err(LoopError::InvalidTag { .. })
+        ));
+        assert!(matches!(
+            validate_tag("a\0b"),
+            Err(LoopError::InvalidTag { .. })
+        ));
+    }
+
+    #[test]
+    fn loopdev_attach_detach_round_trip() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "rt.img", 64 * MIB);
+        let meta = std::fs::metadata(&img).unwrap();
+        let tag = test_tag("rt");
+        let guard = LoopGuard::attach(
+            &img,
+            &AttachOptions {
+                read_only: true,
+                direct_io: false,
+                tag: tag.clone(),
+            },
+        );
+        let info = status(guard.path()).unwrap();
+        assert_eq!(info, guard.0);
+        assert_eq!(info.tag, tag);
+        assert!(info.read_only);
+        assert!(!info.autoclear);
+        assert!(!info.direct_io);
+        assert_eq!(info.size_bytes, 64 * MIB);
+        assert_eq!(
+            (info.backing_dev, info.backing_ino),
+            (meta.dev(), meta.ino())
+        );
+        assert_eq!(
+            info.device,
+            PathBuf::from(format!("/dev/loop{}", info.number))
+        );
+        assert!(list().unwrap().iter().any(|i| i == &info));
+
+        detach(guard.path()).unwrap();
+        assert!(wait_unbound(&info), "device still bound after detach");
+        assert!(!list().unwrap().iter().any(|i| i.tag == tag));
+    }
+
+    #[test]
+    fn loopdev_detach_of_unbound_device_is_ok() {
+        require_root!();
+        // Hold a free device with O_EXCL so nobody can bind it meanwhile
+        // (binding needs an exclusive claim): detach must then see ENXIO.
+        let ctl = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/loop-control")
+            .unwrap();
+        for _ in 0..20 {
+            let n = unsafe { ioc::loop_ctl_get_free(ctl.as_raw_fd()) }.unwrap() as u32;
+            let path = ensure_node(n).unwrap();
+            let Ok(excl) = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_EXCL | libc::O_CLOEXEC)
+                .open(&path)
+            else {
+                continue;
+            };
+            if get_status_raw(&excl, &path).is_ok() {
+                continue; // bound by someone just now; try another
+            }
+            detach(&path).unwrap();
+            assert!(matches!(status(&path), Err(LoopError::NotBound(_))));
+            drop(excl);
+            return;
+        }
+        panic!("could not hold a free loop device");
+    }
+
+    #[test]
+    fn loopdev_not_a_loop_device() {
+        require_root!();
+        assert!(matches!(
+            status(Path::new("/dev/null")),
+            Err(LoopError::NotLoopDevice(_))
+        ));
+        assert!(matches!(
+            detach(Path::new("/dev/null")),
+            Err(LoopError::NotLoopDevice(_))
+        ));
+    }
+
+    #[test]
+    fn loopdev_find_by_inode_finds_exactly_the_holders() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let a = sparse_image(dir.path(), "a.img", 64 * MIB);
+        let b = sparse_image(dir.path(), "b.img", 64 * MIB);
+        let opts = AttachOptions {
+            tag: test_tag("fbi"),
+            ..Default::default()
+        };
+        let a1 = LoopGuard::attach(&a, &opts);
+        let a2 = LoopGuard::attach(&a, &opts);
+        let b1 = LoopGuard::attach(&b, &opts);
+        let ma = std::fs::metadata(&a).unwrap();
+        let mut found: Vec<PathBuf> = find_by_inode(ma.dev(), ma.ino())
+            .unwrap()
+            .into_iter()
+            .map(|i| i.device)
+            .collect();
+        found.sort();
+        let mut want = vec![a1.0.device.clone(), a2.0.device.clone()];
+        want.sort();
+        assert_eq!(found, want);
+        let mb = std::fs::metadata(&b).unwrap();
+        let found_b: Vec<PathBuf> = find_by_inode(mb.dev(), mb.ino())
+            .unwrap()
+            .into_iter()
+            .map(|i| i.device)
+            .collect();
+        assert_eq!(found_b, vec![b1.0.device.clone()]);
+        // Renaming the path changes nothing: the device holds the inode.
+        std::fs::rename(&a, dir.path().join("renamed.img")).unwrap();
+        assert_eq!(find_by_inode(ma.dev(), ma.ino()).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn loopdev_legacy_attach_path() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "legacy.img", 64 * MIB);
+        let tag = test_tag("legacy");
+        let opts = AttachOptions {
+            read_only: true,
+            direct_io: true,
+            tag: tag.clone(),
+        };
+        let g = LoopGuard(attach_inner(&img, &opts, false).unwrap());
+        let st = status(g.path()).unwrap();
+        assert_eq!(st.tag, tag);
+        assert!(st.read_only);
+        assert_eq!(st, g.0);
+        eprintln!(
+            "MEASURE legacy attach (SET_FD+SET_STATUS64+SET_DIRECT_IO): direct_io={}",
+            st.direct_io
+        );
+    }
+
+    #[test]
+    fn loopdev_parallel_attach_races_resolve() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "par.img", 64 * MIB);
+        let tag = test_tag("par");
+        let barrier = Arc::new(std::sync::Barrier::new(8));
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let (img, tag, barrier) = (img.clone(), tag.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    attach(
+                        &img,
+                        &AttachOptions {
+                            tag,
+                            ..Default::default()
+                        },
+                    )
+                    .map(LoopGuard)
+                })
+            })
+            .collect();
+        let guards: Vec<LoopGuard> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap().expect("parallel attach"))
+            .collect();
+        let mut numbers: Vec<u32> = guards.iter().map(|g| g.0.number).collect();
+        numbers.sort();
+        numbers.dedup();
+        assert_eq!(numbers.len(), 8, "two attaches got the same device");
+        let m = std::fs::metadata(&img).unwrap();
+        assert_eq!(find_by_inode(m.dev(), m.ino()).unwrap().len(), 8);
+    }
+
+    /// Backends that can reflink (xfs, btrfs): the backing st_dev the loop
+    /// driver reports must match stat() (btrfs uses anonymous devices), and
+    /// direct I/O should be possible.
+    #[test]
+    fn loopdev_backing_on_xfs_and_btrfs() {
+        require_root!();
+        use crate::mounts::test_support::MountGuard;
+        let dir = tempfile::tempdir().unwrap();
+        for (kind, size, mkfs) in [
+            ("xfs", 300 * MIB, "mkfs.xfs"),
+            ("btrfs", 256 * MIB, "mkfs.btrfs"),
+        ] {
+            let outer = sparse_image(dir.path(), &format!("{kind}.img"), size);
+            let st = std::process::Command::new(mkfs)
+                .args(["-f", "-q"])
+                .arg(&outer)
+                .output();
+            if !st.as_ref().is_ok_and(|o| o.status.success()) {
+                eprintln!("SKIPPED {kind} backing: {mkfs} unavailable or failed: {st:?}");
+                continue;
+            }
+            let og = LoopGuard::attach(
+                &outer,
+                &AttachOptions {
+                    tag: test_tag(kind),
+                    ..Default::default()
+                },
+            );
+            let mnt = dir.path().join(format!("{kind}-mnt"));
+            std::fs::create_dir(&mnt).unwrap();
+            crate::mounts::mount_device(og.path(), &mnt, kind, &[], false).unwrap();
+            let _mg = MountGuard(mnt.clone());
+            let inner = sparse_image(&mnt, "gen-1.img", 64 * MIB);
+            let ig = LoopGuard::attach(
+                &inner,
+                &AttachOptions {
+                    direct_io: true,
+                    tag: test_tag("inner"),
+                    ..Default::default()
+                },
+            );
+            let m = std::fs::metadata(&inner).unwrap();
+            assert_eq!(
+                (ig.0.backing_dev, ig.0.backing_ino),
+                (m.dev(), m.ino()),
+                "{kind}"
+            );
+            let found = find_by_inode(m.dev(), m.ino()).unwrap();
+            assert_eq!(found.len(), 1);
+            assert_eq!(found[0].device, ig.0.device);
+            eprintln!(
+                "MEASURE backing on {kind}: direct_io={} st_dev={:#x}",
+                ig.0.direct_io,
+                m.dev()
+            );
+            drop(ig);
+        }
+    }
+
+    #[test]
+    fn loopdev_read_only_device_refuses_writes() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "ro.img", 64 * MIB);
+        let g = LoopGuard::attach(
+            &img,
+            &AttachOptions {
+                read_only: true,
+                tag: test_tag("ro"),
+                ..Default::default()
+            },
+        );
+        assert!(g.0.read_only);
+        let refused = |e: &io::Error| {
+            matches!(
+                e.raw_os_error(),
+                Some(libc::EPERM | libc::EROFS | libc::EACCES)
+            )
+        };
+        match OpenOptions::new().write(true).open(g.path()) {
+            Err(e) => assert!(refused(&e), "open for write: unexpected {e}"),
+            Ok(mut f) => {
+                let err = f
+                    .write_all(&[0xAA; 4096])
+                    .and_then(|_| f.sync_all())
+                    .expect_err("write to ro loop device succeeded");
+                assert!(refused(&err), "unexpected write error {err}");
+            }
+        }
+        // And the image stayed zero.
+        let mut buf = vec![0u8; 4096];
+        File::open(&img).unwrap().read_exact(&mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn loopdev_set_capacity_after_grow() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "grow.img", 64 * MIB);
+        let g = LoopGuard::attach(
+            &img,
+            &AttachOptions {
+                tag: test_tag("cap"),
+                ..Default::default()
+            },
+        );
+        assert_eq!(g.0.size_bytes, 64 * MIB);
+        OpenOptions::new()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .set_len(96 * MIB)
+            .unwrap();
+        // The loop device keeps its old size until told.
+        assert_eq!(status(g.path()).unwrap().size_bytes, 64 * MIB);
+        assert_eq!(set_capacity(g.path()).unwrap(), 96 * MIB);
+        assert_eq!(status(g.path()).unwrap().size_bytes, 96 * MIB);
+    }
+
+    /// A 4 KiB-aligned buffer for O_DIRECT.
+    struct Aligned {
+        ptr: *mut u8,
+        len: usize,
+    }
+    unsafe impl Send for Aligned {}
+    impl Aligned {
+        fn new(len: usize, fill: u8) -> Self {
+            let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+            let ptr = unsafe { std::alloc::alloc(layout) };
+            assert!(!ptr.is_null());
+            unsafe { std::ptr::write_bytes(ptr, fill, len) };
+            Aligned { ptr, len }
+        }
+        fn as_slice(&self) -> &[u8] {
+            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        }
+    }
+    impl Drop for Aligned {
+        fn drop(&mut self) {
+            unsafe {
+                std::alloc::dealloc(
+                    self.ptr,
+                    std::alloc::Layout::from_size_align(self.len, 4096).unwrap(),
+                )
+            }
+        }
+    }
+
+    #[test]
+    fn loopdev_direct_io_attach_reports_what_kernel_set() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "dio.img", 64 * MIB);
+        let g = LoopGuard::attach(
+            &img,
+            &AttachOptions {
+                direct_io: true,
+                tag: test_tag("dio"),
+                ..Default::default()
+            },
+        );
+        let lbs = std::fs::read_to_string(format!(
+            "/sys/block/loop{}/queue/logical_block_size",
+            g.0.number
+        ))
+        .unwrap_or_default();
+        eprintln!(
+            "MEASURE direct_io attach: direct_io={} logical_block_size={}",
+            g.0.direct_io,
+            lbs.trim()
+        );
+        assert_eq!(status(g.path()).unwrap().direct_io, g.0.direct_io);
+    }
+
+    #[test]
+    fn loopdev_drain_with_io_in_flight() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "drain.img", 128 * MIB);
+        let g = LoopGuard::attach(
+            &img,
+            &AttachOptions {
+                direct_io: true,
+                tag: test_tag("drain"),
+                ..Default::default()
+            },
+        );
+        let before = status(g.path()).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let written = Arc::new(AtomicU64::new(0));
+        let mut writers = Vec::new();
+        for t in 0..4u64 {
+            let (dev, stop, written) = (g.0.device.clone(), stop.clone(), written.clone());
+            writers.push(std::thread::spawn(move || -> io::Result<()> {
+                let mut f = OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(&dev)?;
+                let buf = Aligned::new(256 * 1024, t as u8 + 1);
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let off = ((i * 4 + t) % 400) * 256 * 1024;
+                    f.seek(SeekFrom::Start(off))?;
+                    f.write_all(buf.as_slice())?;
+                    written.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                Ok(())
+            }));
+        }
+        while written.load(Ordering::Relaxed) < 8 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut worst = Duration::ZERO;
+        for _ in 0..20 {
+            let t0 = std::time::Instant::now();
+            drain(g.path()).unwrap();
+            worst = worst.max(t0.elapsed());
+            assert_eq!(status(g.path()).unwrap(), before, "drain changed a setting");
+        }
+        stop.store(true, Ordering::Relaxed);
+        for w in writers {
+            w.join().unwrap().expect("writer failed during drain");
+        }
+        eprintln!(
+            "MEASURE drain under load: direct_io={} writes={} worst drain={:?}",
+            before.direct_io,
+            written.load(Ordering::Relaxed),
+            worst
+        );
+        assert_eq!(status(g.path()).unwrap(), before);
+    }
+
+    #[test]
+    fn loopdev_drain_keeps_autoclear_and_tag() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "ac.img", 64 * MIB);
+        let g = LoopGuard::attach(
+            &img,
+            &AttachOptions {
+                tag: test_tag("ac"),
+                ..Default::default()
+            },
+        );
+        // Keep the device open so detach only marks it autoclear.
+        let hold = File::open(g.path()).unwrap();
+        detach(g.path()).unwrap();
+        let marked = status(g.path()).unwrap();
+        assert!(marked.autoclear);
+        drain(g.path()).unwrap();
+        assert_eq!(status(g.path()).unwrap(), marked);
+        drop(hold);
+        assert!(wait_unbound(&marked));
+    }
+}

@@ -1,0 +1,276 @@
+//! The CSI Node service: loop devices and mounts on this node.
+//!
+//! Nothing here keeps state of its own: what is staged and published is read
+//! back from the kernel (loop devices by backing inode and tag, the mount
+//! table), so a plugin killed between any two steps finds its work on restart
+//! and a retried call completes it without doubling anything.
+
+mod publish;
+mod stage;
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use fencecsi_proto::v1::node_server::Node as CsiNode;
+use fencecsi_proto::v1::node_service_capability::{rpc::Type as RpcType, Rpc, Type as CapType};
+use fencecsi_proto::v1::*;
+use tonic::{Request, Response, Status};
+
+use crate::backend::image::ImageBackend;
+use crate::backend::meta::{now_nanos, MetaStore, NodeRecord, VolumeMeta};
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::controller::TOPOLOGY_KEY;
+use crate::error::{CsiError, CsiResult};
+use crate::ids::{Parsed, VolumeId};
+use crate::locks::InFlight;
+use crate::loopdev::{self, LoopInfo};
+use crate::paths::AllowedRoots;
+
+/// Loop devices this driver attaches carry `fencecsi:<volume>:<generation>`
+/// as their file name, so cleanup never mistakes someone else's device
+/// (kubelet's own block-volume lock device, say) for ours.
+const TAG_PREFIX: &str = "fencecsi:";
+
+pub fn loop_tag(vol: &VolumeId, gen: u64) -> String {
+    format!("{TAG_PREFIX}{vol}:{gen}")
+}
+
+/// (volume, generation) of one of our loop devices, from its tag.
+pub fn parse_tag(tag: &str) -> Option<(VolumeId, u64)> {
+    let rest = tag.strip_prefix(TAG_PREFIX)?;
+    let (vol, gen) = rest.rsplit_once(':')?;
+    match VolumeId::parse(vol) {
+        Ok(Parsed::Ours(v)) => Some((v, gen.parse().ok()?)),
+        _ => None,
+    }
+}
+
+pub struct Node {
+    pub(crate) cfg: Config,
+    pub(crate) node_id: String,
+    pub(crate) roots: AllowedRoots,
+    pub(crate) backend: ImageBackend,
+    pub(crate) inflight: InFlight,
+}
+
+impl Node {
+    pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
+        let node_id = cfg
+            .node_id
+            .clone()
+            .ok_or_else(|| std::io::Error::other("node mode needs --node-id"))?;
+        std::fs::create_dir_all(&cfg.kubelet_dir)?;
+        let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
+        if let Err(e) = crate::fsutil::check_tools() {
+            tracing::warn!(error = %e, "filesystem tools missing: staging filesystem volumes will fail");
+        }
+        MetaStore::register_node(
+            &cfg.state_dir,
+            &NodeRecord {
+                node_id: node_id.clone(),
+                max_volumes: cfg.max_volumes_per_node,
+                registered_at: now_nanos(),
+            },
+        )?;
+        let roots = AllowedRoots::new([cfg.kubelet_dir.clone()]);
+        tracing::info!(node = %node_id, kubelet_dir = %cfg.kubelet_dir.display(), "node plugin registered");
+        Ok(Arc::new(Node {
+            cfg,
+            node_id,
+            roots,
+            backend,
+            inflight: InFlight::new(),
+        }))
+    }
+
+    /// A client's volume ID that must be ours; foreign IDs are NOT_FOUND.
+    pub(crate) fn our_volume(&self, raw: &str) -> CsiResult<VolumeId> {
+        match VolumeId::parse(raw)? {
+            Parsed::Ours(id) => Ok(id),
+            Parsed::Foreign => Err(CsiError::NotFound(format!("volume {raw} does not exist"))),
+        }
+    }
+
+    pub(crate) fn read_meta(&self, id: &VolumeId) -> CsiResult<Option<VolumeMeta>> {
+        MetaStore::read_volume(&self.cfg.state_dir, id)
+            .map_err(|e| CsiError::internal("reading volume metadata", e))
+    }
+
+    /// Our loop devices for a volume (any generation).
+    pub(crate) fn loops_of(&self, id: &VolumeId) -> CsiResult<Vec<(LoopInfo, u64)>> {
+        let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
+        Ok(all
+            .into_iter()
+            .filter_map(|l| {
+                parse_tag(&l.tag)
+                    .filter(|(v, _)| v == id)
+                    .map(|(_, g)| (l, g))
+            })
+            .collect())
+    }
+
+    fn capabilities() -> Vec<NodeServiceCapability> {
+        [
+            RpcType::StageUnstageVolume,
+            RpcType::GetVolumeStats,
+            RpcType::ExpandVolume,
+            RpcType::VolumeCondition,
+            RpcType::SingleNodeMultiWriter,
+            RpcType::ForceUnpublish,
+        ]
+        .into_iter()
+        .map(|t| NodeServiceCapability {
+            r#type: Some(CapType::Rpc(Rpc { r#type: t as i32 })),
+        })
+        .collect()
+    }
+
+    pub(crate) fn generation_path(&self, id: &VolumeId, gen: u64) -> PathBuf {
+        self.backend.generation_path(id, gen)
+    }
+}
+
+/// Removes a directory we may have created, only if empty; a file only if
+/// it is a plain file or device node (block targets). Never recursive.
+pub(crate) fn remove_target(path: &Path) -> CsiResult<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(CsiError::internal(
+                &format!("inspecting {}", path.display()),
+                e,
+            ))
+        }
+    };
+    let result = if meta.is_dir() {
+        std::fs::remove_dir(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => Err(CsiError::FailedPrecondition(format!(
+            "{} is not empty after unmounting: it holds data that is not the volume's; left in place",
+            path.display()
+        ))),
+        Err(e) => Err(CsiError::internal(&format!("removing {}", path.display()), e)),
+    }
+}
+
+#[derive(Clone)]
+pub struct NodeService(pub Arc<Node>);
+
+async fn blocking<T: Send + 'static>(
+    rpc: &'static str,
+    f: impl FnOnce() -> CsiResult<T> + Send + 'static,
+) -> Result<Response<T>, Status> {
+    let start = std::time::Instant::now();
+    let result = tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("{rpc} panicked: {e}")))?;
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(v) => {
+            tracing::debug!(rpc, ms, "ok");
+            Ok(Response::new(v))
+        }
+        Err(e) => {
+            tracing::warn!(rpc, ms, code = ?e.code(), error = %e, "failed");
+            Err(e.into())
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl CsiNode for NodeService {
+    async fn node_stage_volume(
+        &self,
+        r: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        let n = self.0.clone();
+        blocking("NodeStageVolume", move || n.stage(r.into_inner())).await
+    }
+    async fn node_unstage_volume(
+        &self,
+        r: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+        let n = self.0.clone();
+        blocking("NodeUnstageVolume", move || n.unstage(r.into_inner())).await
+    }
+    async fn node_publish_volume(
+        &self,
+        r: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        let n = self.0.clone();
+        blocking("NodePublishVolume", move || n.publish(r.into_inner())).await
+    }
+    async fn node_unpublish_volume(
+        &self,
+        r: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+        let n = self.0.clone();
+        blocking("NodeUnpublishVolume", move || n.unpublish(r.into_inner())).await
+    }
+    async fn node_get_volume_stats(
+        &self,
+        r: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+        let n = self.0.clone();
+        blocking("NodeGetVolumeStats", move || n.stats(r.into_inner())).await
+    }
+    async fn node_expand_volume(
+        &self,
+        r: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        let n = self.0.clone();
+        blocking("NodeExpandVolume", move || n.expand(r.into_inner())).await
+    }
+    async fn node_get_capabilities(
+        &self,
+        _r: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(NodeGetCapabilitiesResponse {
+            capabilities: Node::capabilities(),
+        }))
+    }
+    async fn node_get_info(
+        &self,
+        _r: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
+        Ok(Response::new(NodeGetInfoResponse {
+            node_id: self.0.node_id.clone(),
+            max_volumes_per_node: self.0.cfg.max_volumes_per_node.max(0),
+            accessible_topology: Some(Topology {
+                segments: [(
+                    TOPOLOGY_KEY.to_string(),
+                    crate::controller::kernel_segment(),
+                )]
+                .into(),
+            }),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_round_trip_and_foreign_tags_are_ignored() {
+        let v = VolumeId::generate();
+        assert_eq!(parse_tag(&loop_tag(&v, 7)), Some((v.clone(), 7)));
+        assert!(loop_tag(&v, u64::MAX).len() < 64, "must fit lo_file_name");
+        for other in [
+            "/var/lib/kubelet/plugins/x",
+            "fencecsi:",
+            "fencecsi:vol-x:1",
+            "fencecsi:../../etc:1",
+        ] {
+            assert_eq!(parse_tag(other), None, "{other}");
+        }
+    }
+}

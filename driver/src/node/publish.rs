@@ -1,0 +1,125 @@
+//! NodePublishVolume / NodeUnpublishVolume: bind mounts from the staging path
+//! to each pod's target path.
+
+use std::path::Path;
+
+use fencecsi_proto::v1::*;
+
+use super::stage::{block_staging_file, rdev};
+use super::{remove_target, Node};
+use crate::capability;
+use crate::controller::CTX_READONLY;
+use crate::error::{CsiError, CsiResult};
+use crate::mounts::{self, PathState};
+
+impl Node {
+    pub(super) fn publish(
+        &self,
+        req: NodePublishVolumeRequest,
+    ) -> CsiResult<NodePublishVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let id = self.our_volume(&req.volume_id)?;
+        let target = self.roots.check("target_path", &req.target_path)?;
+        let staging = self
+            .roots
+            .check("staging_target_path", &req.staging_target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
+        let access = capability::parse(cap)?;
+        let readonly = req.readonly
+            || req
+                .publish_context
+                .get(CTX_READONLY)
+                .is_some_and(|v| v == "true")
+            || access.read_only_mode();
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        if self.read_meta(&id)?.is_none() {
+            return Err(CsiError::NotFound(format!("volume {id} does not exist")));
+        }
+
+        let source = if access.block {
+            block_staging_file(&staging, &id)
+        } else {
+            staging.clone()
+        };
+        if !mounts::is_mountpoint(&source).unwrap_or(false) {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id} is not staged at {}",
+                staging.display()
+            )));
+        }
+        let want = self.source_device(&source, access.block)?;
+
+        if let Some(m) = mounts::mounts_at(&target)
+            .map_err(|e| CsiError::internal("reading the mount table", e))?
+            .last()
+        {
+            if (m.major, m.minor) == want && m.read_only == readonly {
+                return Ok(NodePublishVolumeResponse {});
+            }
+            return Err(CsiError::AlreadyExists(format!(
+                "{} is already mounted from another source or with read_only={}",
+                target.display(),
+                m.read_only
+            )));
+        }
+        if access.block {
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| CsiError::internal("creating the target's parent", e))?;
+            }
+            if !target.exists() {
+                std::fs::File::create(&target)
+                    .map_err(|e| CsiError::internal("creating the block target file", e))?;
+            }
+        } else {
+            std::fs::create_dir_all(&target)
+                .map_err(|e| CsiError::internal("creating the target dir", e))?;
+        }
+        mounts::bind_mount(&source, &target, readonly, &access.mount_flags).map_err(|e| {
+            CsiError::internal(
+                &format!("bind-mounting {} on {}", source.display(), target.display()),
+                e,
+            )
+        })?;
+        tracing::info!(volume = %id, target = %target.display(), readonly, block = access.block, "volume published");
+        Ok(NodePublishVolumeResponse {})
+    }
+
+    /// (major, minor) the mount at `source` is backed by.
+    fn source_device(&self, source: &Path, block: bool) -> CsiResult<(u32, u32)> {
+        if block {
+            return rdev(source).map_err(|e| CsiError::internal("inspecting the staged device", e));
+        }
+        let m = mounts::mounts_at(source)
+            .map_err(|e| CsiError::internal("reading the mount table", e))?;
+        m.last().map(|m| (m.major, m.minor)).ok_or_else(|| {
+            CsiError::FailedPrecondition(format!("{} is not mounted", source.display()))
+        })
+    }
+
+    pub(super) fn unpublish(
+        &self,
+        req: NodeUnpublishVolumeRequest,
+    ) -> CsiResult<NodeUnpublishVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let id = self.our_volume(&req.volume_id)?;
+        let target = self.roots.check("target_path", &req.target_path)?;
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let mounted = !matches!(mounts::path_state(&target), PathState::Missing)
+            && mounts::is_mountpoint(&target).unwrap_or(true);
+        if !mounted && self.read_meta(&id)?.is_none() {
+            return Err(CsiError::NotFound(format!("volume {id} does not exist")));
+        }
+        self.unmount_path(&target, req.force)?;
+        remove_target(&target)?;
+        tracing::info!(volume = %id, target = %target.display(), force = req.force, "volume unpublished");
+        Ok(NodeUnpublishVolumeResponse {})
+    }
+}

@@ -1,0 +1,345 @@
+//! NodeStageVolume / NodeUnstageVolume: the loop device and the staging mount.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use fencecsi_proto::v1::*;
+
+use super::{loop_tag, remove_target, Node};
+use crate::capability;
+use crate::controller::{attach::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
+use crate::error::{CsiError, CsiResult};
+use crate::fsutil::{self, FsKind};
+use crate::ids::VolumeId;
+use crate::loopdev::{self, AttachOptions, LoopInfo};
+use crate::mounts::{self, PathState};
+
+/// (major, minor) of a device node.
+pub(crate) fn rdev(path: &Path) -> std::io::Result<(u32, u32)> {
+    let r = std::fs::metadata(path)?.rdev();
+    Ok((libc::major(r), libc::minor(r)))
+}
+
+/// Where a block volume's device is bind-mounted inside its staging dir.
+pub(crate) fn block_staging_file(staging: &Path, id: &VolumeId) -> PathBuf {
+    staging.join(id.as_str())
+}
+
+/// Mount options we always add: xfs refuses a second mount of the same UUID
+/// (a clone after a fence shares it with the fenced copy), and read-only
+/// attachments must not replay a journal they cannot write.
+pub(crate) fn fs_options(fs: &str, readonly: bool, flags: &[String]) -> Vec<String> {
+    let mut opts = flags.to_vec();
+    if fs == "xfs" {
+        opts.push("nouuid".into());
+    }
+    if readonly {
+        opts.push(if fs == "xfs" {
+            "norecovery".into()
+        } else {
+            "noload".into()
+        });
+    }
+    opts
+}
+
+impl Node {
+    pub(super) fn stage(&self, req: NodeStageVolumeRequest) -> CsiResult<NodeStageVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let id = self.our_volume(&req.volume_id)?;
+        let staging = self
+            .roots
+            .check("staging_target_path", &req.staging_target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
+        let access = capability::parse(cap)?;
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let meta = self
+            .read_meta(&id)?
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+
+        let gen = match generation_from_context(&req.publish_context) {
+            Some(g) => g?,
+            None => meta
+                .attachments
+                .get(&self.node_id)
+                .map(|a| a.generation)
+                .ok_or_else(|| {
+                    CsiError::FailedPrecondition(format!(
+                        "volume {id} is not published to node {}",
+                        self.node_id
+                    ))
+                })?,
+        };
+        if meta
+            .generations
+            .get(&gen)
+            .is_some_and(|g| g.fenced_at.is_some())
+        {
+            return Err(CsiError::FailedPrecondition(format!(
+                "generation {gen} of volume {id} was fenced: this node's attachment was revoked; the volume must be published again"
+            )));
+        }
+        let readonly = req
+            .publish_context
+            .get(CTX_READONLY)
+            .is_some_and(|v| v == "true")
+            || access.read_only_mode();
+        let image = self.generation_path(&id, gen);
+        if !image.exists() {
+            return Err(CsiError::NotFound(format!(
+                "generation {gen} of volume {id} has no data at {}",
+                image.display()
+            )));
+        }
+
+        let lo = self.find_or_attach(&id, gen, &image, readonly)?;
+        if access.block {
+            self.stage_block(&id, &staging, &lo)?;
+        } else {
+            let fs = access
+                .fs_type
+                .clone()
+                .or_else(|| req.publish_context.get(CTX_FS_TYPE).cloned())
+                .unwrap_or_else(|| meta.fs_type.clone());
+            self.stage_fs(&staging, &lo, &fs, readonly, &access.mount_flags)?;
+        }
+        tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), staging = %staging.display(), block = access.block, readonly, "volume staged");
+        Ok(NodeStageVolumeResponse {})
+    }
+
+    /// Reuses our loop device on this generation if a crashed attempt left
+    /// one; otherwise attaches a new one.
+    fn find_or_attach(
+        &self,
+        id: &VolumeId,
+        gen: u64,
+        image: &Path,
+        readonly: bool,
+    ) -> CsiResult<LoopInfo> {
+        let tag = loop_tag(id, gen);
+        let (dev, ino) = crate::fsops::dev_ino(image)
+            .map_err(|e| CsiError::internal("inspecting the image", e))?;
+        let existing = loopdev::find_by_inode(dev, ino)
+            .map_err(|e| CsiError::internal("listing loop devices", e))?;
+        if let Some(lo) = existing.into_iter().find(|l| l.tag == tag) {
+            if lo.read_only != readonly {
+                return Err(CsiError::AlreadyExists(format!(
+                    "volume {id} is already attached as {} with read_only={}",
+                    lo.device.display(),
+                    lo.read_only
+                )));
+            }
+            return Ok(lo);
+        }
+        loopdev::attach(
+            image,
+            &AttachOptions {
+                read_only: readonly,
+                direct_io: self.cfg.direct_io,
+                tag,
+            },
+        )
+        .map_err(|e| CsiError::internal(&format!("attaching {}", image.display()), e))
+    }
+
+    fn stage_block(&self, id: &VolumeId, staging: &Path, lo: &LoopInfo) -> CsiResult<()> {
+        std::fs::create_dir_all(staging)
+            .map_err(|e| CsiError::internal("creating the staging dir", e))?;
+        let file = block_staging_file(staging, id);
+        let want =
+            rdev(&lo.device).map_err(|e| CsiError::internal("inspecting the loop device", e))?;
+        if mounts::is_mountpoint(&file).unwrap_or(false) {
+            return match rdev(&file) {
+                Ok(have) if have == want => Ok(()),
+                _ => Err(CsiError::AlreadyExists(format!(
+                    "{} already holds another device",
+                    file.display()
+                ))),
+            };
+        }
+        if !file.exists() {
+            std::fs::File::create(&file)
+                .map_err(|e| CsiError::internal("creating the block staging file", e))?;
+        }
+        mounts::bind_mount(&lo.device, &file, false, &[])
+            .map_err(|e| CsiError::internal("bind-mounting the loop device", e))
+    }
+
+    fn stage_fs(
+        &self,
+        staging: &Path,
+        lo: &LoopInfo,
+        fs: &str,
+        readonly: bool,
+        flags: &[String],
+    ) -> CsiResult<()> {
+        let (major, minor) =
+            rdev(&lo.device).map_err(|e| CsiError::internal("inspecting the loop device", e))?;
+        let here = mounts::mounts_at(staging)
+            .map_err(|e| CsiError::internal("reading the mount table", e))?;
+        if let Some(m) = here.last() {
+            if (m.major, m.minor) == (major, minor) {
+                return Ok(());
+            }
+            return Err(CsiError::AlreadyExists(format!(
+                "{} already has another filesystem mounted ({})",
+                staging.display(),
+                m.source
+            )));
+        }
+        match fsutil::probe(&lo.device).map_err(|e| CsiError::internal("probing the device", e))? {
+            FsKind::Blank if readonly => {
+                return Err(CsiError::FailedPrecondition(
+                    "the volume is blank and attached read-only: it cannot be formatted".into(),
+                ))
+            }
+            FsKind::Blank => {
+                fsutil::mkfs(&lo.device, fs)
+                    .map_err(|e| CsiError::internal(&format!("mkfs.{fs}"), e))?;
+                tracing::info!(device = %lo.device.display(), fs, "filesystem created on blank volume");
+            }
+            FsKind::Ext4 if fs == "ext4" => {}
+            FsKind::Xfs if fs == "xfs" => {}
+            other => {
+                return Err(CsiError::FailedPrecondition(format!(
+                    "the volume holds {other:?}, not {fs}; refusing to mount or format it"
+                )))
+            }
+        }
+        std::fs::create_dir_all(staging)
+            .map_err(|e| CsiError::internal("creating the staging dir", e))?;
+        mounts::mount_device(
+            &lo.device,
+            staging,
+            fs,
+            &fs_options(fs, readonly, flags),
+            readonly,
+        )
+        .map_err(|e| {
+            CsiError::internal(
+                &format!("mounting {} on {}", lo.device.display(), staging.display()),
+                e,
+            )
+        })
+    }
+
+    pub(super) fn unstage(
+        &self,
+        req: NodeUnstageVolumeRequest,
+    ) -> CsiResult<NodeUnstageVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let id = self.our_volume(&req.volume_id)?;
+        let staging = self
+            .roots
+            .check("staging_target_path", &req.staging_target_path)?;
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        self.unstage_volume(&id, &staging, req.force)?;
+        Ok(NodeUnstageVolumeResponse {})
+    }
+
+    /// Unmounts the staging mount, detaches our loop devices for the volume
+    /// once nothing uses them, removes what staging created. With `force`,
+    /// busy, aborted and stale mounts are torn down too.
+    pub(crate) fn unstage_volume(
+        &self,
+        id: &VolumeId,
+        staging: &Path,
+        force: bool,
+    ) -> CsiResult<()> {
+        let block_file = block_staging_file(staging, id);
+        for target in [block_file.as_path(), staging] {
+            self.unmount_path(target, force)?;
+        }
+        let loops = self.loops_of(id)?;
+        for (lo, gen) in &loops {
+            let Ok((major, minor)) = rdev(&lo.device) else {
+                continue;
+            };
+            let users = mounts::mounts_of_device(major, minor)
+                .map_err(|e| CsiError::internal("reading the mount table", e))?;
+            if !users.is_empty() {
+                if !force {
+                    return Err(CsiError::FailedPrecondition(format!(
+                        "{} is still mounted at {}; unpublish first",
+                        lo.device.display(),
+                        users
+                            .iter()
+                            .map(|m| m.mount_point.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                }
+                for m in users.iter().filter(|m| {
+                    self.roots
+                        .roots()
+                        .iter()
+                        .any(|r| m.mount_point.starts_with(r))
+                }) {
+                    self.unmount_path(&m.mount_point, true)?;
+                }
+            }
+            loopdev::detach(&lo.device).map_err(|e| {
+                CsiError::internal(&format!("detaching {}", lo.device.display()), e)
+            })?;
+            tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), force, "loop device detached");
+        }
+        remove_target(&block_file)?;
+        if staging.exists() {
+            // The staging dir itself belongs to the CO; only an empty one is removed.
+            match std::fs::remove_dir(staging) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) && !force => {
+                    tracing::debug!(staging = %staging.display(), "staging dir not empty; left in place")
+                }
+                Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
+                    tracing::warn!(staging = %staging.display(), "staging dir not empty after force unstage; left in place")
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CsiError::internal("removing the staging dir", e)),
+            }
+        }
+        tracing::info!(volume = %id, staging = %staging.display(), force, "volume unstaged");
+        Ok(())
+    }
+
+    /// Unmounts whatever is mounted at `path` (all stacked mounts).
+    /// Without force a busy mount is FAILED_PRECONDITION and stays mounted.
+    pub(crate) fn unmount_path(&self, path: &Path, force: bool) -> CsiResult<()> {
+        let state = mounts::path_state(path);
+        if matches!(state, PathState::Missing) {
+            return Ok(());
+        }
+        if force {
+            mounts::force_unmount(path).map_err(|e| {
+                CsiError::internal(&format!("force-unmounting {}", path.display()), e)
+            })?;
+            return Ok(());
+        }
+        loop {
+            match mounts::unmount(path) {
+                Ok(mounts::Unmount::NotMounted) => return Ok(()),
+                Ok(mounts::Unmount::Unmounted) => continue,
+                Err(mounts::MountError::Busy { .. }) => {
+                    return Err(CsiError::FailedPrecondition(format!(
+                        "{} is busy (open files or a working directory); nothing was changed. Retry with force to tear it down",
+                        path.display()
+                    )))
+                }
+                Err(e) => {
+                    return Err(if matches!(state, PathState::Stale(_)) {
+                        CsiError::FailedPrecondition(format!("{} is a stale mountpoint ({e}); retry with force", path.display()))
+                    } else {
+                        CsiError::internal(&format!("unmounting {}", path.display()), e)
+                    })
+                }
+            }
+        }
+    }
+}

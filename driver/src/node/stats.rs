@@ -1,0 +1,161 @@
+//! NodeGetVolumeStats and NodeExpandVolume.
+
+use fencecsi_proto::v1::volume_usage::Unit;
+use fencecsi_proto::v1::*;
+
+use super::Node;
+use crate::error::{CsiError, CsiResult};
+use crate::fsutil;
+use crate::loopdev;
+use crate::mounts::{self, PathState};
+
+impl Node {
+    pub(super) fn stats(
+        &self,
+        req: NodeGetVolumeStatsRequest,
+    ) -> CsiResult<NodeGetVolumeStatsResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let id = self.our_volume(&req.volume_id)?;
+        let path = self.roots.check("volume_path", &req.volume_path)?;
+        let meta = self.read_meta(&id)?;
+        let condition =
+            |abnormal: bool, message: String| Some(VolumeCondition { abnormal, message });
+        match mounts::path_state(&path) {
+            PathState::Missing => {
+                return Err(CsiError::NotFound(format!(
+                    "{} does not exist",
+                    path.display()
+                )))
+            }
+            PathState::Stale(errno) => {
+                return Ok(NodeGetVolumeStatsResponse {
+                    usage: Vec::new(),
+                    volume_condition: condition(
+                        true,
+                        format!(
+                            "{} is stale ({errno}): the filesystem was aborted or fenced",
+                            path.display()
+                        ),
+                    ),
+                })
+            }
+            PathState::Ok => {}
+        }
+        let Some(meta) = meta else {
+            return Err(CsiError::NotFound(format!("volume {id} does not exist")));
+        };
+        let loops = self.loops_of(&id)?;
+        let mut problems = Vec::new();
+        if loops.is_empty() {
+            problems.push("no loop device is attached for this volume on this node".to_string());
+        }
+        for (lo, gen) in &loops {
+            if meta
+                .generations
+                .get(gen)
+                .is_some_and(|g| g.fenced_at.is_some())
+            {
+                problems.push(format!(
+                    "generation {gen} on {} was fenced: writes fail; unstage and republish",
+                    lo.device.display()
+                ));
+            }
+            if !self.generation_path(&id, *gen).exists() {
+                problems.push(format!("the image of generation {gen} is gone"));
+            }
+        }
+        let volume_condition = condition(
+            !problems.is_empty(),
+            if problems.is_empty() {
+                "healthy".into()
+            } else {
+                problems.join("; ")
+            },
+        );
+
+        let is_dir = std::fs::metadata(&path)
+            .map(|m| m.is_dir())
+            .unwrap_or(false);
+        let usage = if is_dir {
+            let u = fsutil::usage(&path).map_err(|e| CsiError::internal("statfs", e))?;
+            vec![
+                VolumeUsage {
+                    available: u.bytes_available as i64,
+                    total: u.bytes_total as i64,
+                    used: u.bytes_used as i64,
+                    unit: Unit::Bytes as i32,
+                },
+                VolumeUsage {
+                    available: u.inodes_free as i64,
+                    total: u.inodes_total as i64,
+                    used: u.inodes_used as i64,
+                    unit: Unit::Inodes as i32,
+                },
+            ]
+        } else {
+            let total = fsutil::block_device_size(&path)
+                .map_err(|e| CsiError::internal("reading the block device size", e))?;
+            vec![VolumeUsage {
+                available: 0,
+                total: total as i64,
+                used: 0,
+                unit: Unit::Bytes as i32,
+            }]
+        };
+        Ok(NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition,
+        })
+    }
+
+    pub(super) fn expand(
+        &self,
+        req: NodeExpandVolumeRequest,
+    ) -> CsiResult<NodeExpandVolumeResponse> {
+        if req.volume_id.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        let id = self.our_volume(&req.volume_id)?;
+        let path = self.roots.check("volume_path", &req.volume_path)?;
+        if let Some(cap) = &req.volume_capability {
+            crate::capability::parse(cap)?;
+        }
+        let _lock = self.inflight.try_lock(id.as_str())?;
+        let meta = self
+            .read_meta(&id)?
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        if matches!(mounts::path_state(&path), PathState::Missing) {
+            return Err(CsiError::NotFound(format!(
+                "{} does not exist",
+                path.display()
+            )));
+        }
+        let current = self
+            .loops_of(&id)?
+            .into_iter()
+            .filter(|(_, g)| {
+                meta.generations
+                    .get(g)
+                    .is_some_and(|m| m.fenced_at.is_none())
+            })
+            .max_by_key(|(_, g)| *g);
+        let (lo, _) = current.ok_or_else(|| {
+            CsiError::FailedPrecondition(format!("volume {id} is not staged on this node"))
+        })?;
+        let size = loopdev::set_capacity(&lo.device)
+            .map_err(|e| CsiError::internal("refreshing the loop device capacity", e))?;
+        if std::fs::metadata(&path)
+            .map(|m| m.is_dir())
+            .unwrap_or(false)
+        {
+            fsutil::grow(&lo.device, &path, &meta.fs_type)
+                .map_err(|e| CsiError::internal("growing the filesystem", e))?;
+        }
+        tracing::info!(volume = %id, size, "volume expanded on node");
+        Ok(NodeExpandVolumeResponse {
+            capacity_bytes: size as i64,
+        })
+    }
+}

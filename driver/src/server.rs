@@ -1,0 +1,128 @@
+//! Serving the CSI services on a unix socket, and shutting down cleanly:
+//! stop accepting, let in-flight calls finish, remove the socket. Volumes are
+//! never unmounted on exit: pods keep their data while the plugin restarts.
+
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencecsi_proto::v1::controller_server::ControllerServer;
+use fencecsi_proto::v1::identity_server::IdentityServer;
+use fencecsi_proto::v1::node_server::NodeServer;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::config::Config;
+use crate::controller::{Controller, ControllerService};
+use crate::identity::IdentityService;
+use crate::node::{Node, NodeService};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Binds the socket: removes a stale socket left by a crash (never a regular
+/// file or directory someone else put there) and sets its mode to 0660.
+pub fn bind(path: &Path) -> Result<UnixListener, ServeError> {
+    use std::os::unix::fs::FileTypeExt;
+    let io = |what: String| move |source| ServeError::Io { what, source };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io(format!("creating {}", parent.display())))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
+            .map_err(io(format!("removing stale socket {}", path.display())))?,
+        Ok(_) => {
+            return Err(ServeError::Config(format!(
+                "{} exists and is not a socket; refusing to replace it",
+                path.display()
+            )))
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(io(format!("binding {}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(io(format!("chmod {}", path.display())))?;
+    Ok(listener)
+}
+
+/// Runs the plugin until `shutdown` resolves.
+pub async fn serve(
+    cfg: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    cfg.validate().map_err(ServeError::Config)?;
+    let socket = cfg.socket_path().map_err(ServeError::Config)?;
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |source| ServeError::Io { what, source }
+    };
+
+    let controller = if cfg.mode.controller() {
+        Some(Controller::open(cfg.clone()).map_err(io("opening controller state"))?)
+    } else {
+        None
+    };
+    let node = if cfg.mode.node() {
+        Some(Node::open(cfg.clone()).map_err(io("starting node plugin"))?)
+    } else {
+        None
+    };
+
+    let listener = bind(&socket)?;
+    tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, "serving CSI");
+
+    let gc_task = controller
+        .as_ref()
+        .map(|c| spawn_gc(c.clone(), Duration::from_secs(cfg.gc_interval_secs.max(1))));
+    let router = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(IdentityService::new(&cfg)))
+        .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
+        .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))));
+    let result = router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await;
+    if let Some(t) = gc_task {
+        t.abort();
+    }
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("stopped; socket removed, volumes left mounted");
+    Ok(result?)
+}
+
+fn spawn_gc(c: Arc<Controller>, every: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            let c = c.clone();
+            if let Ok(n) = tokio::task::spawn_blocking(move || c.collect_garbage()).await {
+                if n > 0 {
+                    tracing::info!(removed = n, "fenced generations collected");
+                }
+            }
+        }
+    })
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight calls"),
+        _ = int.recv() => tracing::info!("SIGINT: finishing in-flight calls"),
+    }
+}
