@@ -53,28 +53,37 @@ pub struct EmbeddedConfig {
 
 impl Default for EmbeddedConfig {
     fn default() -> Self {
-        EmbeddedConfig { watch_buffer: 4096, history: 4096 }
+        EmbeddedConfig {
+            watch_buffer: 4096,
+            history: 4096,
+        }
     }
 }
 
 pub(crate) struct Embedded {
-    rv: AtomicU64,
+    /// Shared with every kind store (not the `Embedded` itself, which would make a cycle
+    /// through the kind map and leak the whole store).
+    rv: Arc<AtomicU64>,
     kinds: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
     config: EmbeddedConfig,
 }
 
 impl Embedded {
     pub(crate) fn new(config: EmbeddedConfig) -> Self {
-        Embedded { rv: AtomicU64::new(1), kinds: Mutex::new(HashMap::new()), config }
+        Embedded {
+            rv: Arc::new(AtomicU64::new(1)),
+            kinds: Mutex::new(HashMap::new()),
+            config,
+        }
     }
 
     /// The per-kind store, created on first use.
-    pub(crate) fn kind<K: Object>(self: &Arc<Self>) -> Arc<KindStore<K>> {
+    pub(crate) fn kind<K: Object>(&self) -> Arc<KindStore<K>> {
         let mut kinds = self.kinds.lock().expect("embedded kinds lock");
         let entry = kinds.entry(TypeId::of::<K>()).or_insert_with(|| {
             let (tx, _) = broadcast::channel(self.config.watch_buffer.max(1));
             Arc::new(KindStore::<K> {
-                cluster: self.clone(),
+                rv: self.rv.clone(),
                 state: RwLock::new(State {
                     objects: BTreeMap::new(),
                     index: HashMap::new(),
@@ -85,15 +94,10 @@ impl Embedded {
                 history_cap: self.config.history,
             }) as Arc<dyn Any + Send + Sync>
         });
-        entry.clone().downcast::<KindStore<K>>().expect("kind store type")
-    }
-
-    fn next_rv(&self) -> u64 {
-        self.rv.fetch_add(1, Ordering::SeqCst) + 1
-    }
-
-    fn current_rv(&self) -> u64 {
-        self.rv.load(Ordering::SeqCst)
+        entry
+            .clone()
+            .downcast::<KindStore<K>>()
+            .expect("kind store type")
     }
 }
 
@@ -128,7 +132,7 @@ struct State<K> {
 }
 
 pub(crate) struct KindStore<K> {
-    cluster: Arc<Embedded>,
+    rv: Arc<AtomicU64>,
     state: RwLock<State<K>>,
     tx: broadcast::Sender<Arc<Change<K>>>,
     history_cap: usize,
@@ -150,10 +154,21 @@ impl Matcher {
         let labels = LabelSelector::parse(labels.unwrap_or(""))?;
         let fields = FieldSelector::parse(fields.unwrap_or(""))?;
         if let Some(f) = fields.fields().find(|f| !supports_field::<K>(f)) {
-            return Err(Error::Invalid(format!("field label not supported for {}: {f}", K::KIND)));
+            return Err(Error::Invalid(format!(
+                "field label not supported for {}: {f}",
+                K::KIND
+            )));
         }
-        let namespace = if K::NAMESPACED { namespace.map(str::to_string) } else { None };
-        Ok(Matcher { namespace, labels, fields })
+        let namespace = if K::NAMESPACED {
+            namespace.map(str::to_string)
+        } else {
+            None
+        };
+        Ok(Matcher {
+            namespace,
+            labels,
+            fields,
+        })
     }
 
     fn matches<K: Object>(&self, obj: &K) -> bool {
@@ -173,31 +188,43 @@ fn now_time() -> Time {
 }
 
 fn parse_rv(rv: &str) -> Result<u64> {
-    rv.parse::<u64>().map_err(|_| Error::Invalid(format!("invalid resourceVersion {rv:?}")))
+    rv.parse::<u64>()
+        .map_err(|_| Error::Invalid(format!("invalid resourceVersion {rv:?}")))
 }
 
 fn rv_of<K: Object>(obj: &K) -> u64 {
-    obj.metadata().resource_version.as_deref().and_then(|r| r.parse().ok()).unwrap_or(0)
+    obj.metadata()
+        .resource_version
+        .as_deref()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
 }
 
 /// DNS-1123 subdomain, the name rule of every kind used here.
 fn check_name(kind: &str, name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 253
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
         && name.as_bytes()[0].is_ascii_alphanumeric()
         && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
     if ok {
         Ok(())
     } else {
-        Err(Error::Invalid(format!("{kind} name {name:?} is not a valid DNS-1123 subdomain")))
+        Err(Error::Invalid(format!(
+            "{kind} name {name:?} is not a valid DNS-1123 subdomain"
+        )))
     }
 }
 
 fn generate_suffix() -> String {
     // The alphabet of apimachinery's name generator (no vowels, no confusable digits).
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
-    uuid::Uuid::new_v4().as_bytes()[..5].iter().map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char).collect()
+    uuid::Uuid::new_v4().as_bytes()[..5]
+        .iter()
+        .map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char)
+        .collect()
 }
 
 fn finalizers(m: &ObjectMeta) -> &[String] {
@@ -205,6 +232,12 @@ fn finalizers(m: &ObjectMeta) -> &[String] {
 }
 
 impl<K: Object> KindStore<K> {
+    /// Called only under this kind's write lock, which is what keeps each kind's changes in
+    /// resourceVersion order.
+    fn next_rv(&self) -> u64 {
+        self.rv.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
     fn read(&self) -> RwLockReadGuard<'_, State<K>> {
         self.state.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -218,19 +251,24 @@ impl<K: Object> KindStore<K> {
     }
 
     fn not_found(ns: &str, name: &str) -> Error {
-        Error::NotFound(format!("{} not found", describe::<K>(Some(ns).filter(|n| !n.is_empty()), name)))
+        Error::NotFound(format!(
+            "{} not found",
+            describe::<K>(Some(ns).filter(|n| !n.is_empty()), name)
+        ))
     }
 
     pub(crate) fn get(&self, ns: &str, name: &str) -> Result<K> {
         let st = self.read();
-        Self::lookup(&st, ns, name).map(|o| (*o).clone()).ok_or_else(|| Self::not_found(ns, name))
+        Self::lookup(&st, ns, name)
+            .map(|o| (*o).clone())
+            .ok_or_else(|| Self::not_found(ns, name))
     }
 
     /// Lists matching objects (sorted by namespace, name) and the resourceVersion to watch
     /// from. Filters run on the stored objects; only matches are cloned.
     pub(crate) fn list(&self, matcher: &Matcher, filter: &dyn Fn(&K) -> bool) -> (Vec<K>, String) {
         let st = self.read();
-        let rv = self.cluster.current_rv().to_string();
+        let rv = self.rv.load(Ordering::SeqCst).to_string();
         let keep = |o: &Arc<K>| matcher.matches(&**o) && filter(o);
         let mut out = Vec::new();
         let indexed = K::INDEXED_FIELD.and_then(|f| matcher.fields.required_value(f));
@@ -246,10 +284,11 @@ impl<K: Object> KindStore<K> {
                 }
             }
         } else {
-            let spaces: Box<dyn Iterator<Item = &BTreeMap<String, Arc<K>>>> = match &matcher.namespace {
-                Some(ns) => Box::new(st.objects.get(ns).into_iter()),
-                None => Box::new(st.objects.values()),
-            };
+            let spaces: Box<dyn Iterator<Item = &BTreeMap<String, Arc<K>>>> =
+                match &matcher.namespace {
+                    Some(ns) => Box::new(st.objects.get(ns).into_iter()),
+                    None => Box::new(st.objects.values()),
+                };
             for space in spaces {
                 out.extend(space.values().filter(|o| keep(o)).map(|o| (**o).clone()));
             }
@@ -295,7 +334,12 @@ impl<K: Object> KindStore<K> {
         } else {
             st.objects.entry(ns).or_default().insert(name, obj.clone());
         }
-        let change = Arc::new(Change { rv: rv_of(&*obj), kind, old, new: obj });
+        let change = Arc::new(Change {
+            rv: rv_of(&*obj),
+            kind,
+            old,
+            new: obj,
+        });
         if self.history_cap > 0 {
             st.history.push_back(change.clone());
             while st.history.len() > self.history_cap {
@@ -313,8 +357,13 @@ impl<K: Object> KindStore<K> {
     fn remove(&self, st: &mut State<K>, last: &K) {
         // Like etcd, the Deleted event carries the last state at the deletion's revision.
         let mut gone = last.clone();
-        gone.metadata_mut().resource_version = Some(self.cluster.next_rv().to_string());
-        let old = Self::lookup(st, &gone.metadata().namespace.clone().unwrap_or_default(), gone.metadata().name.as_deref().unwrap_or(""));
+        gone.metadata_mut().resource_version = Some(self.next_rv().to_string());
+        let m = gone.metadata();
+        let old = Self::lookup(
+            st,
+            m.namespace.as_deref().unwrap_or(""),
+            m.name.as_deref().unwrap_or(""),
+        );
         self.commit(st, ChangeKind::Deleted, old, Arc::new(gone));
     }
 
@@ -328,11 +377,12 @@ impl<K: Object> KindStore<K> {
         let om = old.metadata();
         let nm = new.metadata();
         let emptied = !finalizers(om).is_empty() && finalizers(nm).is_empty();
-        if emptied && nm.deletion_timestamp.is_some() && nm.deletion_grace_period_seconds == Some(0) {
+        if emptied && nm.deletion_timestamp.is_some() && nm.deletion_grace_period_seconds == Some(0)
+        {
             self.remove(st, &old);
             return new;
         }
-        new.metadata_mut().resource_version = Some(self.cluster.next_rv().to_string());
+        new.metadata_mut().resource_version = Some(self.next_rv().to_string());
         let new = Arc::new(new);
         self.commit(st, ChangeKind::Modified, Some(old), new.clone());
         (*new).clone()
@@ -350,7 +400,11 @@ impl<K: Object> KindStore<K> {
             }
         }
         // An empty resourceVersion is an unconditional update, as the API server allows.
-        if let Some(rv) = new_meta.resource_version.as_deref().filter(|r| !r.is_empty()) {
+        if let Some(rv) = new_meta
+            .resource_version
+            .as_deref()
+            .filter(|r| !r.is_empty())
+        {
             if parse_rv(rv)? != rv_of(old) {
                 return Err(Error::Conflict(format!(
                     "Operation cannot be fulfilled on {}: the object has been modified; please apply your changes to the latest version and try again",
@@ -363,7 +417,11 @@ impl<K: Object> KindStore<K> {
 
     fn check_no_new_finalizers(old: &K, new_meta: &ObjectMeta) -> Result<()> {
         let om = old.metadata();
-        if om.deletion_timestamp.is_some() && finalizers(new_meta).iter().any(|f| !finalizers(om).contains(f)) {
+        if om.deletion_timestamp.is_some()
+            && finalizers(new_meta)
+                .iter()
+                .any(|f| !finalizers(om).contains(f))
+        {
             return Err(Error::Invalid(format!(
                 "{}: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted",
                 describe::<K>(om.namespace.as_deref(), om.name.as_deref().unwrap_or(""))
@@ -377,16 +435,29 @@ impl<K: Object> KindStore<K> {
         let m = obj.metadata_mut();
         if m.name.as_deref().unwrap_or("").is_empty() {
             match m.generate_name.as_deref() {
-                Some(prefix) if !prefix.is_empty() => m.name = Some(format!("{prefix}{}", generate_suffix())),
-                _ => return Err(Error::Invalid(format!("{}: metadata.name: Required value", K::KIND))),
+                Some(prefix) if !prefix.is_empty() => {
+                    m.name = Some(format!("{prefix}{}", generate_suffix()))
+                }
+                _ => {
+                    return Err(Error::Invalid(format!(
+                        "{}: metadata.name: Required value",
+                        K::KIND
+                    )))
+                }
             }
         }
         let name = m.name.clone().unwrap_or_default();
         check_name(K::KIND, &name)?;
         if m.resource_version.as_deref().is_some_and(|r| !r.is_empty()) {
-            return Err(Error::Invalid("resourceVersion should not be set on objects to be created".into()));
+            return Err(Error::Invalid(
+                "resourceVersion should not be set on objects to be created".into(),
+            ));
         }
-        m.namespace = if K::NAMESPACED { Some(ns.to_string()) } else { None };
+        m.namespace = if K::NAMESPACED {
+            Some(ns.to_string())
+        } else {
+            None
+        };
         m.uid = Some(uuid::Uuid::new_v4().to_string());
         m.creation_timestamp = Some(now_time());
         m.deletion_timestamp = None;
@@ -401,7 +472,7 @@ impl<K: Object> KindStore<K> {
                 describe::<K>(Some(ns).filter(|n| !n.is_empty()), &name)
             )));
         }
-        obj.metadata_mut().resource_version = Some(self.cluster.next_rv().to_string());
+        obj.metadata_mut().resource_version = Some(self.next_rv().to_string());
         let obj = Arc::new(obj);
         self.commit(&mut st, ChangeKind::Added, None, obj.clone());
         Ok((*obj).clone())
@@ -450,7 +521,10 @@ impl<K: Object> KindStore<K> {
         let mut st = self.write();
         let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
         if let Some(rv) = &patch.resource_version {
-            let pre = ObjectMeta { resource_version: Some(rv.clone()), ..Default::default() };
+            let pre = ObjectMeta {
+                resource_version: Some(rv.clone()),
+                ..Default::default()
+            };
             Self::check_update_preconditions(&old, &pre)?;
         }
         let mut new = (*old).clone();
@@ -462,7 +536,12 @@ impl<K: Object> KindStore<K> {
     }
 
     /// Delete, following `Store.Delete` + `rest.BeforeDelete` + `updateForGracefulDeletionAndFinalizers`.
-    pub(crate) fn delete(&self, ns: &str, name: &str, opts: &DeleteOptions) -> Result<DeleteOutcome<K>> {
+    pub(crate) fn delete(
+        &self,
+        ns: &str,
+        name: &str,
+        opts: &DeleteOptions,
+    ) -> Result<DeleteOutcome<K>> {
         let mut st = self.write();
         let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
         let om = old.metadata();
@@ -496,7 +575,8 @@ impl<K: Object> KindStore<K> {
                 (Some(ts), Some(existing)) if existing > 0 => match requested {
                     // Only a shorter grace period may be given once deletion started.
                     Some(p) if p < existing => {
-                        let when = ts.0 - SignedDuration::from_secs(existing) + SignedDuration::from_secs(p);
+                        let when = ts.0 - SignedDuration::from_secs(existing)
+                            + SignedDuration::from_secs(p);
                         let m = obj.metadata_mut();
                         m.deletion_timestamp = Some(Time(when));
                         m.deletion_grace_period_seconds = Some(p);
@@ -511,7 +591,11 @@ impl<K: Object> KindStore<K> {
                     let m = obj.metadata_mut();
                     m.deletion_timestamp = Some(Time(when));
                     m.deletion_grace_period_seconds = Some(p);
-                    m.generation = m.generation.filter(|g| *g > 0).map(|g| g + 1).or(m.generation);
+                    m.generation = m
+                        .generation
+                        .filter(|g| *g > 0)
+                        .map(|g| g + 1)
+                        .or(m.generation);
                     graceful = Some(p);
                 }
             }
@@ -533,7 +617,11 @@ impl<K: Object> KindStore<K> {
             let now = now_time();
             let m = obj.metadata_mut();
             if m.deletion_timestamp.is_none() {
-                m.generation = m.generation.filter(|g| *g > 0).map(|g| g + 1).or(m.generation);
+                m.generation = m
+                    .generation
+                    .filter(|g| *g > 0)
+                    .map(|g| g + 1)
+                    .or(m.generation);
             }
             if m.deletion_timestamp.as_ref().is_none_or(|t| t.0 > now.0) {
                 m.deletion_timestamp = Some(now);
@@ -547,9 +635,18 @@ impl<K: Object> KindStore<K> {
     }
 
     /// A watch stream: initial list (or replay after `since`), then every change.
-    pub(crate) fn watch(self: Arc<Self>, matcher: Matcher, since: Option<&str>) -> Result<BoxStream<'static, WatchEvent<K>>> {
+    pub(crate) fn watch(
+        self: Arc<Self>,
+        matcher: Matcher,
+        since: Option<&str>,
+    ) -> Result<BoxStream<'static, WatchEvent<K>>> {
         let since = since.map(parse_rv).transpose()?;
-        let mut w = EmbeddedWatch { store: self.clone(), matcher, rx: None, pending: VecDeque::new() };
+        let mut w = EmbeddedWatch {
+            store: self.clone(),
+            matcher,
+            rx: None,
+            pending: VecDeque::new(),
+        };
         {
             let st = self.read();
             match since {
@@ -564,7 +661,11 @@ impl<K: Object> KindStore<K> {
                 _ => w.relist_locked(&st),
             }
         }
-        Ok(futures::stream::unfold(w, |mut w| async move { w.next_event().await.map(|ev| (ev, w)) }).boxed())
+        Ok(futures::stream::unfold(
+            w,
+            |mut w| async move { w.next_event().await.map(|ev| (ev, w)) },
+        )
+        .boxed())
     }
 
     /// Number of objects stored (all namespaces): cheap, for tests and benchmarks.
@@ -585,7 +686,12 @@ impl<K: Object> EmbeddedWatch<K> {
     fn relist_locked(&mut self, st: &State<K>) {
         let mut items = Vec::new();
         for space in st.objects.values() {
-            items.extend(space.values().filter(|o| self.matcher.matches(&***o)).map(|o| (**o).clone()));
+            items.extend(
+                space
+                    .values()
+                    .filter(|o| self.matcher.matches(&***o))
+                    .map(|o| (**o).clone()),
+            );
         }
         self.pending.clear();
         self.pending.push_back(WatchEvent::Listed(items));
@@ -622,7 +728,11 @@ impl<K: Object> EmbeddedWatch<K> {
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::debug!(kind = K::KIND, skipped = n, "embedded watcher lagged; re-listing");
+                    tracing::debug!(
+                        kind = K::KIND,
+                        skipped = n,
+                        "embedded watcher lagged; re-listing"
+                    );
                     let store = self.store.clone();
                     let st = store.read();
                     self.relist_locked(&st);

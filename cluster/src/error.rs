@@ -53,15 +53,35 @@ impl From<kube::Error> for Error {
     fn from(e: kube::Error) -> Self {
         match e {
             kube::Error::Api(status) => from_status(&status),
-            other => Error::Other(other.to_string()),
+            other => Error::Other(chain(&other)),
         }
     }
+}
+
+/// The error and its sources ("connect failed: connection refused"): kube's transport
+/// errors put the useful part in the source chain.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        let text = inner.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        cur = inner.source();
+    }
+    s
 }
 
 /// Maps an API server `Status` onto our variants. Shared with the watch loop, which sees
 /// statuses inside ERROR watch events rather than as `kube::Error`.
 pub(crate) fn from_status(s: &kube::core::Status) -> Error {
-    let msg = if s.message.is_empty() { s.reason.clone() } else { s.message.clone() };
+    let msg = if s.message.is_empty() {
+        s.reason.clone()
+    } else {
+        s.message.clone()
+    };
     match (s.code, s.reason.as_str()) {
         (404, _) => Error::NotFound(msg),
         (409, "AlreadyExists") => Error::AlreadyExists(msg),
@@ -77,7 +97,12 @@ mod tests {
     use super::*;
 
     fn status(code: u16, reason: &str) -> kube::core::Status {
-        kube::core::Status { code, reason: reason.into(), message: "m".into(), ..Default::default() }
+        kube::core::Status {
+            code,
+            reason: reason.into(),
+            message: "m".into(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -88,6 +113,9 @@ mod tests {
         assert!(from_status(&status(422, "Invalid")).is_invalid());
         assert!(from_status(&status(400, "BadRequest")).is_invalid());
         assert!(from_status(&status(403, "Forbidden")).is_forbidden());
-        assert!(matches!(from_status(&status(500, "InternalError")), Error::Other(_)));
+        assert!(matches!(
+            from_status(&status(500, "InternalError")),
+            Error::Other(_)
+        ));
     }
 }

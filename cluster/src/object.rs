@@ -10,8 +10,8 @@ use std::fmt::Debug;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
-    Node, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimStatus, PersistentVolumeStatus, Pod,
-    PodStatus,
+    Node, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimStatus,
+    PersistentVolumeStatus, Pod, PodStatus,
 };
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode, VolumeAttachment};
@@ -122,15 +122,26 @@ impl Object for Pod {
 
     fn field(&self, name: &str) -> String {
         match name {
-            "spec.nodeName" => self.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default(),
-            "status.phase" => self.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default(),
+            "spec.nodeName" => self
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .unwrap_or_default(),
+            "status.phase" => self
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default(),
             _ => meta_field(self, name),
         }
     }
 
     fn prepare_for_create(&mut self) {
         // The pod strategy discards a client-supplied status; defaulting sets the grace period.
-        self.status = Some(PodStatus { phase: Some("Pending".into()), ..Default::default() });
+        self.status = Some(PodStatus {
+            phase: Some("Pending".into()),
+            ..Default::default()
+        });
         if let Some(spec) = self.spec.as_mut() {
             spec.termination_grace_period_seconds.get_or_insert(30);
         }
@@ -147,7 +158,11 @@ impl Object for Pod {
         let mut period = requested
             .or_else(|| spec.and_then(|s| s.termination_grace_period_seconds))
             .unwrap_or(0);
-        if spec.and_then(|s| s.node_name.as_deref()).unwrap_or("").is_empty() {
+        if spec
+            .and_then(|s| s.node_name.as_deref())
+            .unwrap_or("")
+            .is_empty()
+        {
             period = 0;
         }
         let phase = self.status.as_ref().and_then(|s| s.phase.as_deref());
@@ -167,9 +182,12 @@ impl Object for Node {
 
     fn field(&self, name: &str) -> String {
         match name {
-            "spec.unschedulable" => {
-                self.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false).to_string()
-            }
+            "spec.unschedulable" => self
+                .spec
+                .as_ref()
+                .and_then(|s| s.unschedulable)
+                .unwrap_or(false)
+                .to_string(),
             _ => meta_field(self, name),
         }
     }
@@ -189,7 +207,10 @@ impl Object for PersistentVolume {
     copy_status!();
 
     fn prepare_for_create(&mut self) {
-        self.status = Some(PersistentVolumeStatus { phase: Some("Pending".into()), ..Default::default() });
+        self.status = Some(PersistentVolumeStatus {
+            phase: Some("Pending".into()),
+            ..Default::default()
+        });
     }
 
     fn spec_differs(&self, other: &Self) -> bool {
@@ -204,7 +225,10 @@ impl Object for PersistentVolumeClaim {
     copy_status!();
 
     fn prepare_for_create(&mut self) {
-        self.status = Some(PersistentVolumeClaimStatus { phase: Some("Pending".into()), ..Default::default() });
+        self.status = Some(PersistentVolumeClaimStatus {
+            phase: Some("Pending".into()),
+            ..Default::default()
+        });
     }
 
     fn spec_differs(&self, other: &Self) -> bool {
@@ -263,7 +287,10 @@ impl Object for Event {
     kube_api!(namespaced);
 
     fn spec_differs(&self, other: &Self) -> bool {
-        let strip = |e: &Event| Event { metadata: ObjectMeta::default(), ..e.clone() };
+        let strip = |e: &Event| Event {
+            metadata: ObjectMeta::default(),
+            ..e.clone()
+        };
         strip(self) != strip(other)
     }
 }

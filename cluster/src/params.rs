@@ -54,7 +54,10 @@ impl WatchParams {
         self
     }
     pub(crate) fn list_params(&self) -> ListParams {
-        ListParams { label_selector: self.label_selector.clone(), field_selector: self.field_selector.clone() }
+        ListParams {
+            label_selector: self.label_selector.clone(),
+            field_selector: self.field_selector.clone(),
+        }
     }
 }
 
@@ -93,10 +96,16 @@ pub struct DeleteOptions {
 impl DeleteOptions {
     /// A delete with grace period 0: the pod goes without waiting for a kubelet.
     pub fn force() -> Self {
-        DeleteOptions { grace_period_seconds: Some(0), preconditions: None }
+        DeleteOptions {
+            grace_period_seconds: Some(0),
+            preconditions: None,
+        }
     }
     pub fn grace_period(secs: i64) -> Self {
-        DeleteOptions { grace_period_seconds: Some(secs), preconditions: None }
+        DeleteOptions {
+            grace_period_seconds: Some(secs),
+            preconditions: None,
+        }
     }
     /// Delete only the object with this uid (not a re-created one with the same name).
     pub fn with_uid(mut self, uid: &str) -> Self {
@@ -104,7 +113,9 @@ impl DeleteOptions {
         self
     }
     pub fn with_resource_version(mut self, rv: &str) -> Self {
-        self.preconditions.get_or_insert_with(Default::default).resource_version = Some(rv.to_string());
+        self.preconditions
+            .get_or_insert_with(Default::default)
+            .resource_version = Some(rv.to_string());
         self
     }
 }
@@ -177,8 +188,15 @@ impl MetadataPatch {
     }
 
     /// Applies the patch to `meta`; returns whether anything changed.
-    pub(crate) fn apply_to(&self, meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
-        let before = (meta.finalizers.clone(), meta.labels.clone(), meta.annotations.clone());
+    pub(crate) fn apply_to(
+        &self,
+        meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    ) -> bool {
+        let before = (
+            meta.finalizers.clone(),
+            meta.labels.clone(),
+            meta.annotations.clone(),
+        );
         if !self.add_finalizers.is_empty() || !self.remove_finalizers.is_empty() {
             let fins = meta.finalizers.get_or_insert_with(Vec::new);
             fins.retain(|f| !self.remove_finalizers.contains(f));
@@ -201,7 +219,10 @@ impl MetadataPatch {
     }
 }
 
-fn apply_map(target: &mut Option<BTreeMap<String, String>>, changes: &BTreeMap<String, Option<String>>) {
+fn apply_map(
+    target: &mut Option<BTreeMap<String, String>>,
+    changes: &BTreeMap<String, Option<String>>,
+) {
     if changes.is_empty() {
         return;
     }
@@ -228,13 +249,28 @@ mod tests {
 
     #[test]
     fn metadata_patch_is_a_set_operation() {
-        let mut m = ObjectMeta { finalizers: Some(vec!["a".into()]), ..Default::default() };
+        let mut m = ObjectMeta {
+            finalizers: Some(vec!["a".into()]),
+            ..Default::default()
+        };
         assert!(!MetadataPatch::new().add_finalizer("a").apply_to(&mut m));
-        assert!(MetadataPatch::new().add_finalizer("b").set_label("x", "1").apply_to(&mut m));
-        assert_eq!(m.finalizers.as_deref(), Some(&["a".to_string(), "b".to_string()][..]));
-        assert!(MetadataPatch::new().remove_finalizer("a").remove_finalizer("b").remove_label("x").apply_to(&mut m));
+        assert!(MetadataPatch::new()
+            .add_finalizer("b")
+            .set_label("x", "1")
+            .apply_to(&mut m));
+        assert_eq!(
+            m.finalizers.as_deref(),
+            Some(&["a".to_string(), "b".to_string()][..])
+        );
+        assert!(MetadataPatch::new()
+            .remove_finalizer("a")
+            .remove_finalizer("b")
+            .remove_label("x")
+            .apply_to(&mut m));
         assert_eq!(m.finalizers, None);
         assert_eq!(m.labels, None);
-        assert!(!MetadataPatch::new().remove_finalizer("zzz").apply_to(&mut m));
+        assert!(!MetadataPatch::new()
+            .remove_finalizer("zzz")
+            .apply_to(&mut m));
     }
 }

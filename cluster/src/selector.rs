@@ -85,20 +85,27 @@ fn split_top_level(s: &str) -> Result<Vec<&str>> {
 fn check_key(k: &str, whole: &str) -> Result<String> {
     let ok = !k.is_empty()
         && k.len() <= 317
-        && k.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
     if ok {
         Ok(k.to_string())
     } else {
-        Err(Error::Invalid(format!("invalid label key {k:?} in selector {whole:?}")))
+        Err(Error::Invalid(format!(
+            "invalid label key {k:?} in selector {whole:?}"
+        )))
     }
 }
 
 fn check_value(v: &str, whole: &str) -> Result<String> {
-    let ok = v.len() <= 63 && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    let ok = v.len() <= 63
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if ok {
         Ok(v.to_string())
     } else {
-        Err(Error::Invalid(format!("invalid label value {v:?} in selector {whole:?}")))
+        Err(Error::Invalid(format!(
+            "invalid label value {v:?} in selector {whole:?}"
+        )))
     }
 }
 
@@ -107,16 +114,27 @@ fn parse_req(p: &str) -> Result<Req> {
         return Ok(Req::NotExists(check_key(k.trim(), p)?));
     }
     if let Some(i) = p.find("!=") {
-        return Ok(Req::NotEq(check_key(p[..i].trim(), p)?, check_value(p[i + 2..].trim(), p)?));
+        return Ok(Req::NotEq(
+            check_key(p[..i].trim(), p)?,
+            check_value(p[i + 2..].trim(), p)?,
+        ));
     }
     if let Some(i) = p.find("==") {
-        return Ok(Req::Eq(check_key(p[..i].trim(), p)?, check_value(p[i + 2..].trim(), p)?));
+        return Ok(Req::Eq(
+            check_key(p[..i].trim(), p)?,
+            check_value(p[i + 2..].trim(), p)?,
+        ));
     }
     if let Some(i) = p.find('=') {
-        return Ok(Req::Eq(check_key(p[..i].trim(), p)?, check_value(p[i + 1..].trim(), p)?));
+        return Ok(Req::Eq(
+            check_key(p[..i].trim(), p)?,
+            check_value(p[i + 1..].trim(), p)?,
+        ));
     }
     if let Some(open) = p.find('(') {
-        let close = p.rfind(')').filter(|c| *c > open && p[c + 1..].trim().is_empty());
+        let close = p
+            .rfind(')')
+            .filter(|c| *c > open && p[c + 1..].trim().is_empty());
         let close = close.ok_or_else(|| Error::Invalid(format!("bad set requirement {p:?}")))?;
         let head: Vec<&str> = p[..open].split_whitespace().collect();
         let values = p[open + 1..close]
@@ -172,7 +190,10 @@ impl FieldSelector {
 
     /// The value required by an equality term on `field`, if any (used to pick an index).
     pub fn required_value(&self, field: &str) -> Option<&str> {
-        self.0.iter().find(|(f, eq, _)| *eq && f == field).map(|(_, _, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(f, eq, _)| *eq && f == field)
+            .map(|(_, _, v)| v.as_str())
     }
 
     /// Matches using `get`, which returns a field's value ("" when unset, as the API
@@ -187,7 +208,10 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -215,7 +239,13 @@ mod tests {
         let f = FieldSelector::parse("spec.nodeName=n1,status.phase!=Failed").unwrap();
         assert_eq!(f.required_value("spec.nodeName"), Some("n1"));
         let get = |phase: &'static str| {
-            move |k: &str| if k == "spec.nodeName" { "n1".to_string() } else { phase.to_string() }
+            move |k: &str| {
+                if k == "spec.nodeName" {
+                    "n1".to_string()
+                } else {
+                    phase.to_string()
+                }
+            }
         };
         assert!(f.matches(get("Running")));
         assert!(!f.matches(get("Failed")));

@@ -195,6 +195,31 @@ fn has_cap_sys_resource() -> bool {
         .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
 }
 
+/// Size in bytes of the ext2/3/4 filesystem on `device`, from its superblock
+/// (block count times block size), so a grown device can be told from a
+/// grown filesystem without running a tool.
+pub fn ext4_size(device: &Path) -> Result<u64, FsError> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(device).map_err(|source| FsError::Io { path: device.into(), source })?;
+    let mut sb = [0u8; 1024];
+    f.read_exact_at(&mut sb, 1024).map_err(|source| FsError::Io { path: device.into(), source })?;
+    let u32_at = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().unwrap()) as u64;
+    if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
+        return Err(FsError::Unsupported("no ext2/3/4 superblock".into()));
+    }
+    const INCOMPAT_64BIT: u64 = 0x80;
+    let mut blocks = u32_at(0x04);
+    if u32_at(0x60) & INCOMPAT_64BIT != 0 {
+        blocks |= u32_at(0x150) << 32;
+    }
+    Ok(blocks * (1024u64 << u32_at(0x18)))
+}
+
+/// Whether the process may resize ext4 online (see [`grow`]).
+pub fn can_grow_ext4_online() -> bool {
+    has_cap_sys_resource()
+}
+
 /// Creates a filesystem. Discard is skipped: on a sparse image it would only
 /// punch holes that are already there, and it is slow on some backends.
 pub fn mkfs(device: &Path, kind: &str) -> Result<(), FsError> {

@@ -10,6 +10,7 @@ pub mod capability;
 pub mod config;
 pub mod controller;
 pub mod error;
+pub mod failpoint;
 pub mod fence;
 pub mod fsops;
 pub mod fsutil;

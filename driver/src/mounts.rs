@@ -205,7 +205,8 @@ pub fn is_mountpoint(path: &Path) -> Result<bool, MountError> {
 }
 
 /// Mounts that use block device major:minor. Also matches mounts whose source
-/// is that device node, because btrfs reports an anonymous st_dev instead.
+/// is that device node, because btrfs reports an anonymous st_dev instead,
+/// and bind mounts of the device node (raw block staging files and targets).
 pub fn mounts_of_device(major: u32, minor: u32) -> Result<Vec<MountEntry>, MountError> {
     let rdev = libc::makedev(major, minor);
     Ok(mounts()?
@@ -214,6 +215,14 @@ pub fn mounts_of_device(major: u32, minor: u32) -> Result<Vec<MountEntry>, Mount
             (m.major == major && m.minor == minor)
                 || (m.source.starts_with("/dev/")
                     && std::fs::metadata(&m.source)
+                        .map(|md| md.file_type().is_block_device() && md.rdev() == rdev)
+                        .unwrap_or(false))
+                // A bind mount of the device node itself (a raw block
+                // volume's staging file or target): it shows the /dev
+                // filesystem, not the device, so look at the node.
+                || (matches!(m.fs_type.as_str(), "devtmpfs" | "tmpfs")
+                    && m.root != Path::new("/")
+                    && std::fs::metadata(&m.mount_point)
                         .map(|md| md.file_type().is_block_device() && md.rdev() == rdev)
                         .unwrap_or(false))
         })
@@ -328,23 +337,43 @@ fn current_mount_flags(target: &Path) -> Result<MsFlags, MountError> {
 /// Bind-mounts `source` (a directory, or a file such as a device node) on
 /// `target`. The kernel ignores flags on the MS_BIND call itself, so read-only
 /// and flag words need a second MS_REMOUNT|MS_BIND call.
+///
+/// A read-only bind is made read-only before it appears at `target` where the
+/// kernel has the new mount API (see [`bind_read_only_atomic`]): with the
+/// two-step form, a plugin killed between the steps leaves a *writable* bind
+/// that a retried read-only publish can only refuse (ALREADY_EXISTS).
 pub fn bind_mount(
     source: &Path,
     target: &Path,
     read_only: bool,
     options: &[String],
 ) -> Result<(), MountError> {
-    nix::mount::mount(
-        Some(source),
-        target,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .map_err(sys("bind mount", target))?;
+    let mut made_read_only = false;
+    if read_only {
+        match bind_read_only_atomic(source, target) {
+            Ok(()) => made_read_only = true,
+            // Older kernel, or a seccomp profile without the new mount calls.
+            Err(Errno::ENOSYS | Errno::EPERM) => {}
+            Err(e) => return Err(sys("bind mount (read-only)", target)(e)),
+        }
+    }
+    if !made_read_only {
+        nix::mount::mount(
+            Some(source),
+            target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(sys("bind mount", target))?;
+    }
     let (want, data) = parse_options(MsFlags::empty(), options);
     if !data.is_empty() {
         tracing::warn!(target = %target.display(), ?data, "filesystem options ignored on a bind mount");
+    }
+    if made_read_only && want.is_empty() {
+        tracing::info!(source = %source.display(), target = %target.display(), read_only, "bind mounted");
+        return Ok(());
     }
     if !read_only
         && want.is_empty()
@@ -376,6 +405,80 @@ pub fn bind_mount(
         return Err(e);
     }
     tracing::info!(source = %source.display(), target = %target.display(), read_only, "bind mounted");
+    Ok(())
+}
+
+/// A read-only bind mount in one step: `open_tree(OPEN_TREE_CLONE)` makes a
+/// detached copy of the source mount, `mount_setattr` makes it read-only, and
+/// only then `move_mount` attaches it at `target` (Linux >= 5.12). If the
+/// process dies before the move, the detached copy vanishes with its fd.
+fn bind_read_only_atomic(source: &Path, target: &Path) -> Result<(), Errno> {
+    use std::ffi::CString;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOUNT_ATTR_RDONLY: u64 = 1;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+
+    let src = CString::new(source.as_os_str().as_bytes()).map_err(|_| Errno::EINVAL)?;
+    let dst = CString::new(target.as_os_str().as_bytes()).map_err(|_| Errno::EINVAL)?;
+    let empty = c"";
+    // SAFETY: valid NUL-terminated paths; the returned fd is owned below.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            src.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: open_tree returned a new fd that nothing else owns.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as std::os::fd::RawFd) };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_RDONLY,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: `attr` outlives the call and its size is passed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: valid fd and paths.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            dst.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if r < 0 {
+        return Err(Errno::last());
+    }
     Ok(())
 }
 

@@ -6,12 +6,18 @@
 
 use std::path::{Component, Path, PathBuf};
 
+/// Linux limits: a whole path (with its NUL) and one component.
+const PATH_MAX: usize = 4096;
+const NAME_MAX: usize = 255;
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PathError {
     #[error("{what} is required")]
     Missing { what: &'static str },
     #[error("{what} {path:?} must be an absolute path without '.' or '..' components")]
     NotNormal { what: &'static str, path: String },
+    #[error("{what} is too long: at most {PATH_MAX} bytes, each component at most {NAME_MAX}")]
+    TooLong { what: &'static str },
     #[error("{what} {path:?} is outside the allowed roots {roots:?}")]
     OutsideRoots {
         what: &'static str,
@@ -53,8 +59,17 @@ impl AllowedRoots {
         if !normal {
             return Err(PathError::NotNormal {
                 what,
-                path: raw.to_string(),
+                path: raw.chars().take(256).collect(),
             });
+        }
+        // Refused here rather than by mkdir(2) half-way through staging,
+        // after the loop device is attached and the volume formatted.
+        if raw.len() >= PATH_MAX
+            || path
+                .components()
+                .any(|c| c.as_os_str().len() > NAME_MAX)
+        {
+            return Err(PathError::TooLong { what });
         }
         let resolved = resolve_existing_prefix(path);
         // The path must be strictly below a root: the root itself is never ours to mount over.
@@ -119,6 +134,16 @@ mod tests {
         );
         for bad in ["relative/path", "/etc/passwd", "", root.to_str().unwrap()] {
             assert!(roots.check("target path", bad).is_err(), "{bad:?}");
+        }
+        let long_name = root.join("a".repeat(256));
+        let long_path = root.join("abcdefg/".repeat(600));
+        for bad in [long_name, long_path] {
+            assert_eq!(
+                roots.check("target path", bad.to_str().unwrap()),
+                Err(PathError::TooLong {
+                    what: "target path"
+                })
+            );
         }
         let traversal = format!("{}/../../etc", root.display());
         assert!(matches!(

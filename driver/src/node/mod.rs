@@ -28,20 +28,22 @@ use crate::locks::InFlight;
 use crate::loopdev::{self, LoopInfo};
 use crate::paths::AllowedRoots;
 
-/// Loop devices this driver attaches carry `fencecsi:<volume>:<generation>`
-/// as their file name, so cleanup never mistakes someone else's device
-/// (kubelet's own block-volume lock device, say) for ours.
-const TAG_PREFIX: &str = "fencecsi:";
+/// Loop devices this driver attaches carry `fcsi:<volume hex>:<generation>`
+/// as their file name (at most 58 bytes, inside the kernel's 63), so cleanup
+/// never mistakes someone else's device (kubelet's own block-volume lock
+/// device, say) for ours.
+const TAG_PREFIX: &str = "fcsi:";
 
 pub fn loop_tag(vol: &VolumeId, gen: u64) -> String {
-    format!("{TAG_PREFIX}{vol}:{gen}")
+    let hex = vol.as_str().trim_start_matches("vol-");
+    format!("{TAG_PREFIX}{hex}:{gen}")
 }
 
 /// (volume, generation) of one of our loop devices, from its tag.
 pub fn parse_tag(tag: &str) -> Option<(VolumeId, u64)> {
     let rest = tag.strip_prefix(TAG_PREFIX)?;
-    let (vol, gen) = rest.rsplit_once(':')?;
-    match VolumeId::parse(vol) {
+    let (hex, gen) = rest.rsplit_once(':')?;
+    match VolumeId::parse(&format!("vol-{hex}")) {
         Ok(Parsed::Ours(v)) => Some((v, gen.parse().ok()?)),
         _ => None,
     }
@@ -263,7 +265,7 @@ mod tests {
     fn tags_round_trip_and_foreign_tags_are_ignored() {
         let v = VolumeId::generate();
         assert_eq!(parse_tag(&loop_tag(&v, 7)), Some((v.clone(), 7)));
-        assert!(loop_tag(&v, u64::MAX).len() < 64, "must fit lo_file_name");
+        assert!(loop_tag(&v, u64::MAX).len() <= crate::loopdev::MAX_TAG_LEN, "must fit lo_file_name");
         for other in [
             "/var/lib/kubelet/plugins/x",
             "fencecsi:",

@@ -1,12 +1,14 @@
 //! NodePublishVolume / NodeUnpublishVolume: bind mounts from the staging path
 //! to each pod's target path.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use fencecsi_proto::v1::*;
 
 use super::stage::{block_staging_file, rdev};
-use super::{remove_target, Node};
+use super::{loop_tag, remove_target, Node};
+use crate::ids::VolumeId;
+use crate::loopdev::{self, AttachOptions};
 use crate::capability;
 use crate::controller::CTX_READONLY;
 use crate::error::{CsiError, CsiResult};
@@ -20,7 +22,7 @@ impl Node {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
-        let id = self.our_volume(&req.volume_id)?;
+        // Arguments first, then existence (see stage).
         let target = self.roots.check("target_path", &req.target_path)?;
         let staging = self
             .roots
@@ -30,6 +32,7 @@ impl Node {
             .as_ref()
             .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
         let access = capability::parse(cap)?;
+        let id = self.our_volume(&req.volume_id)?;
         let readonly = req.readonly
             || req
                 .publish_context
@@ -52,13 +55,32 @@ impl Node {
                 staging.display()
             )));
         }
-        let want = self.source_device(&source, access.block)?;
+        let mut want = self.source_device(&source, access.block)?;
+        let mut source = source;
+        if access.block && readonly {
+            // A read-only bind mount does not stop writes through a device
+            // node (the kernel checks MNT_RDONLY on regular files and
+            // directories only): a read-only target on a writable attachment
+            // gets a read-only loop device of its own on the same generation.
+            if let Some(twin) = self.read_only_twin(&id, want)? {
+                want = rdev(&twin)
+                    .map_err(|e| CsiError::internal("inspecting the read-only loop device", e))?;
+                source = twin;
+            }
+        }
 
         if let Some(m) = mounts::mounts_at(&target)
             .map_err(|e| CsiError::internal("reading the mount table", e))?
             .last()
         {
-            if (m.major, m.minor) == want && m.read_only == readonly {
+            // A bind of a device node shows devtmpfs in the mount table:
+            // compare the device the target node stands for instead.
+            let have = if access.block {
+                rdev(&target).ok()
+            } else {
+                Some((m.major, m.minor))
+            };
+            if have == Some(want) && m.read_only == readonly {
                 return Ok(NodePublishVolumeResponse {});
             }
             return Err(CsiError::AlreadyExists(format!(
@@ -80,14 +102,54 @@ impl Node {
             std::fs::create_dir_all(&target)
                 .map_err(|e| CsiError::internal("creating the target dir", e))?;
         }
+        crate::failpoint::hit("publish:after-mkdir");
         mounts::bind_mount(&source, &target, readonly, &access.mount_flags).map_err(|e| {
             CsiError::internal(
                 &format!("bind-mounting {} on {}", source.display(), target.display()),
                 e,
             )
         })?;
+        crate::failpoint::hit("publish:after-bind");
         tracing::info!(volume = %id, target = %target.display(), readonly, block = access.block, "volume published");
         Ok(NodePublishVolumeResponse {})
+    }
+
+    /// For a read-only raw block target: a read-only loop device on the
+    /// generation behind the staged device `staged`, when that one is
+    /// writable (reused if an earlier or crashed call made it; detached with
+    /// the others at unstage). None when the staged device is read-only.
+    fn read_only_twin(&self, id: &VolumeId, staged: (u32, u32)) -> CsiResult<Option<PathBuf>> {
+        let Some((lo, gen)) = self
+            .loops_of(id)?
+            .into_iter()
+            .find(|(l, _)| rdev(&l.device).ok() == Some(staged))
+        else {
+            return Err(CsiError::FailedPrecondition(format!(
+                "the device staged for volume {id} is not one of its loop devices"
+            )));
+        };
+        if lo.read_only {
+            return Ok(None);
+        }
+        let tag = loop_tag(id, gen);
+        if let Some(twin) = loopdev::find_by_inode(lo.backing_dev, lo.backing_ino)
+            .map_err(|e| CsiError::internal("listing loop devices", e))?
+            .into_iter()
+            .find(|l| l.tag == tag && l.read_only)
+        {
+            return Ok(Some(twin.device));
+        }
+        let image = self.generation_path(id, gen);
+        let twin = loopdev::attach(
+            &image,
+            &AttachOptions {
+                read_only: true,
+                direct_io: self.cfg.direct_io,
+                tag,
+            },
+        )
+        .map_err(|e| CsiError::internal(&format!("attaching {} read-only", image.display()), e))?;
+        Ok(Some(twin.device))
     }
 
     /// (major, minor) the mount at `source` is backed by.
@@ -109,8 +171,8 @@ impl Node {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
-        let id = self.our_volume(&req.volume_id)?;
         let target = self.roots.check("target_path", &req.target_path)?;
+        let id = self.our_volume(&req.volume_id)?;
         let _lock = self.inflight.try_lock(id.as_str())?;
         let mounted = !matches!(mounts::path_state(&target), PathState::Missing)
             && mounts::is_mountpoint(&target).unwrap_or(true);

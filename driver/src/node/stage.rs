@@ -48,7 +48,8 @@ impl Node {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
-        let id = self.our_volume(&req.volume_id)?;
+        // Every argument is checked before the volume is looked up: a missing
+        // or unsafe field is INVALID_ARGUMENT even for an unknown volume.
         let staging = self
             .roots
             .check("staging_target_path", &req.staging_target_path)?;
@@ -57,6 +58,7 @@ impl Node {
             .as_ref()
             .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
         let access = capability::parse(cap)?;
+        let id = self.our_volume(&req.volume_id)?;
         let _lock = self.inflight.try_lock(id.as_str())?;
         let meta = self
             .read_meta(&id)?
@@ -98,6 +100,7 @@ impl Node {
         }
 
         let lo = self.find_or_attach(&id, gen, &image, readonly)?;
+        crate::failpoint::hit("stage:after-attach");
         if access.block {
             self.stage_block(&id, &staging, &lo)?;
         } else {
@@ -108,6 +111,7 @@ impl Node {
                 .unwrap_or_else(|| meta.fs_type.clone());
             self.stage_fs(&staging, &lo, &fs, readonly, &access.mount_flags)?;
         }
+        crate::failpoint::hit("stage:after-mount");
         tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), staging = %staging.display(), block = access.block, readonly, "volume staged");
         Ok(NodeStageVolumeResponse {})
     }
@@ -126,7 +130,11 @@ impl Node {
             .map_err(|e| CsiError::internal("inspecting the image", e))?;
         let existing = loopdev::find_by_inode(dev, ino)
             .map_err(|e| CsiError::internal("listing loop devices", e))?;
-        if let Some(lo) = existing.into_iter().find(|l| l.tag == tag) {
+        let mut ours: Vec<LoopInfo> = existing.into_iter().filter(|l| l.tag == tag).collect();
+        // A read-only twin made for a read-only raw block target (see
+        // publish) may sit beside the staged device: prefer the same mode.
+        ours.sort_by_key(|l| l.read_only != readonly);
+        if let Some(lo) = ours.into_iter().next() {
             if lo.read_only != readonly {
                 return Err(CsiError::AlreadyExists(format!(
                     "volume {id} is already attached as {} with read_only={}",
@@ -150,6 +158,7 @@ impl Node {
     fn stage_block(&self, id: &VolumeId, staging: &Path, lo: &LoopInfo) -> CsiResult<()> {
         std::fs::create_dir_all(staging)
             .map_err(|e| CsiError::internal("creating the staging dir", e))?;
+        crate::failpoint::hit("stage:after-mkdir");
         let file = block_staging_file(staging, id);
         let want =
             rdev(&lo.device).map_err(|e| CsiError::internal("inspecting the loop device", e))?;
@@ -165,6 +174,7 @@ impl Node {
         if !file.exists() {
             std::fs::File::create(&file)
                 .map_err(|e| CsiError::internal("creating the block staging file", e))?;
+            crate::failpoint::hit("stage:after-mkfile");
         }
         mounts::bind_mount(&lo.device, &file, false, &[])
             .map_err(|e| CsiError::internal("bind-mounting the loop device", e))
@@ -202,6 +212,7 @@ impl Node {
                 fsutil::mkfs(&lo.device, fs)
                     .map_err(|e| CsiError::internal(&format!("mkfs.{fs}"), e))?;
                 tracing::info!(device = %lo.device.display(), fs, "filesystem created on blank volume");
+                crate::failpoint::hit("stage:after-mkfs");
             }
             FsKind::Ext4 if fs == "ext4" => {}
             FsKind::Xfs if fs == "xfs" => {}
@@ -213,6 +224,7 @@ impl Node {
         }
         std::fs::create_dir_all(staging)
             .map_err(|e| CsiError::internal("creating the staging dir", e))?;
+        crate::failpoint::hit("stage:after-mkdir");
         mounts::mount_device(
             &lo.device,
             staging,
@@ -235,10 +247,10 @@ impl Node {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
-        let id = self.our_volume(&req.volume_id)?;
         let staging = self
             .roots
             .check("staging_target_path", &req.staging_target_path)?;
+        let id = self.our_volume(&req.volume_id)?;
         let _lock = self.inflight.try_lock(id.as_str())?;
         self.unstage_volume(&id, &staging, req.force)?;
         Ok(NodeUnstageVolumeResponse {})
@@ -254,9 +266,15 @@ impl Node {
         force: bool,
     ) -> CsiResult<()> {
         let block_file = block_staging_file(staging, id);
-        for target in [block_file.as_path(), staging] {
-            self.unmount_path(target, force)?;
+        // Decide from the mount table, never by looking inside: the staging
+        // mount may be a fenced filesystem where every lookup fails with EIO.
+        let mounted_at = |p: &Path| mounts::mounts_at(p).map(|m| !m.is_empty()).map_err(|e| CsiError::internal("reading the mount table", e));
+        if mounted_at(staging)? {
+            self.unmount_path(staging, force)?;
+        } else if mounted_at(&block_file)? {
+            self.unmount_path(&block_file, force)?;
         }
+        crate::failpoint::hit("unstage:after-unmount");
         let loops = self.loops_of(id)?;
         for (lo, gen) in &loops {
             let Ok((major, minor)) = rdev(&lo.device) else {
@@ -289,6 +307,7 @@ impl Node {
                 CsiError::internal(&format!("detaching {}", lo.device.display()), e)
             })?;
             tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), force, "loop device detached");
+            crate::failpoint::hit("unstage:after-detach");
         }
         remove_target(&block_file)?;
         if staging.exists() {

@@ -17,8 +17,17 @@ impl Node {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
+        if req.volume_path.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_path is required".into()));
+        }
         let id = self.our_volume(&req.volume_id)?;
-        let path = self.roots.check("volume_path", &req.volume_path)?;
+        // Only ever inspected, never created: a path that cannot be below the
+        // kubelet dir cannot hold the volume, which the spec (and csi-sanity,
+        // with a relative "some/path") calls NOT_FOUND.
+        let path = self
+            .roots
+            .check("volume_path", &req.volume_path)
+            .map_err(|e| CsiError::NotFound(format!("volume {id} is not at that path: {e}")))?;
         let meta = self.read_meta(&id)?;
         let condition =
             |abnormal: bool, message: String| Some(VolumeCondition { abnormal, message });
@@ -117,6 +126,9 @@ impl Node {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
+        if req.volume_path.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_path is required".into()));
+        }
         let id = self.our_volume(&req.volume_id)?;
         let path = self.roots.check("volume_path", &req.volume_path)?;
         if let Some(cap) = &req.volume_capability {
@@ -150,8 +162,12 @@ impl Node {
             .map(|m| m.is_dir())
             .unwrap_or(false)
         {
-            fsutil::grow(&lo.device, &path, &meta.fs_type)
-                .map_err(|e| CsiError::internal("growing the filesystem", e))?;
+            fsutil::grow(&lo.device, &path, &meta.fs_type).map_err(|e| match e {
+                fsutil::FsError::MissingCapability { .. } => CsiError::FailedPrecondition(format!(
+                    "{e}: online ext4 resize is not possible in this process; the filesystem grows to the new size at the next NodeStageVolume"
+                )),
+                e => CsiError::internal("growing the filesystem", e),
+            })?;
         }
         tracing::info!(volume = %id, size, "volume expanded on node");
         Ok(NodeExpandVolumeResponse {

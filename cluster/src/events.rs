@@ -1,0 +1,130 @@
+//! Recording Kubernetes Events (events.k8s.io/v1) over the seam.
+//!
+//! events.k8s.io/v1 is what client-go's and kube-runtime's current recorders write;
+//! `kubectl describe` and `kubectl events` show it. Events are best-effort: callers should
+//! log a failure and carry on, never fail a reconcile because an event was not written.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::error::Result;
+use crate::object::Object;
+use crate::Cluster;
+
+/// Event type: `Normal` for expected progress, `Warning` for something an operator
+/// should look at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        }
+    }
+}
+
+/// A reference to `obj` for an event's `regarding` field.
+pub fn object_ref<K: Object>(obj: &K) -> ObjectReference {
+    let m = obj.metadata();
+    ObjectReference {
+        api_version: Some(K::API_VERSION.to_string()),
+        kind: Some(K::KIND.to_string()),
+        name: m.name.clone(),
+        namespace: m.namespace.clone(),
+        uid: m.uid.clone(),
+        resource_version: m.resource_version.clone(),
+        field_path: None,
+    }
+}
+
+/// Writes events on behalf of one controller instance.
+#[derive(Debug)]
+pub struct EventRecorder {
+    cluster: Cluster,
+    controller: String,
+    instance: String,
+    seq: AtomicU64,
+}
+
+/// API server limits on events.k8s.io/v1 fields.
+const NOTE_MAX: usize = 1024;
+const REASON_MAX: usize = 128;
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+impl EventRecorder {
+    /// `reporting_controller` must be a qualified name such as `fencecsi.io/podgc`;
+    /// `reporting_instance` identifies the process (e.g. pod name).
+    pub fn new(cluster: &Cluster, reporting_controller: &str, reporting_instance: &str) -> Self {
+        EventRecorder {
+            cluster: cluster.clone(),
+            controller: reporting_controller.to_string(),
+            instance: truncate(reporting_instance, 128),
+            seq: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one event about `regarding`. It goes into the object's namespace, or
+    /// `default` for cluster-scoped objects (as kubectl expects for Node events).
+    pub async fn record(
+        &self,
+        regarding: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<Event> {
+        let namespace = regarding
+            .namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| "default".into());
+        let now = Timestamp::now();
+        // client-go names events `<object>.<unix nanos in hex>`; a sequence number keeps two
+        // events in the same nanosecond apart.
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let suffix = format!(".{:x}{:x}", now.as_nanosecond(), seq);
+        let base = regarding.name.clone().unwrap_or_else(|| "event".into());
+        let base = truncate(&base, 253 - suffix.len());
+        let reason = truncate(reason, REASON_MAX);
+        let event = Event {
+            metadata: ObjectMeta {
+                name: Some(format!("{}{suffix}", base.trim_end_matches(['.', '-']))),
+                namespace: Some(namespace.clone()),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(
+                Timestamp::from_microsecond(now.as_microsecond()).unwrap_or(now),
+            )),
+            action: Some(reason.clone()),
+            reason: Some(reason),
+            note: Some(truncate(message, NOTE_MAX)),
+            regarding: Some(regarding.clone()),
+            reporting_controller: Some(self.controller.clone()),
+            reporting_instance: Some(self.instance.clone()),
+            type_: Some(type_.as_str().to_string()),
+            ..Default::default()
+        };
+        self.cluster
+            .api::<Event>(Some(&namespace))
+            .create(&event)
+            .await
+    }
+}

@@ -1,0 +1,353 @@
+//! Leader election on a coordination.k8s.io/v1 Lease, written against the seam so the same
+//! code path runs on the embedded cluster and on a real API server.
+//!
+//! `kube-lease-manager` is the maintained lease crate for kube 5, but it takes a
+//! `kube::Client` and so cannot run on the embedded cluster; this is the client-go
+//! algorithm (`tools/leaderelection`) re-done over [`crate::Api`]:
+//!
+//! - Mutual exclusion comes from optimistic concurrency: every acquire or renew is a
+//!   replace carrying the resourceVersion just read, so of two racing candidates one gets
+//!   a Conflict.
+//! - Expiry is judged on the *local* clock: a candidate takes over a lease held by someone
+//!   else only after it has seen the lease record unchanged for `leaseDurationSeconds`
+//!   (client-go's observedTime), so clock skew between holders does not matter.
+//! - A leader considers itself leader only until `renew_deadline` after it *sent* its last
+//!   successful renew. Since `renew_deadline < lease_duration`, it has stopped acting as
+//!   leader before any other candidate may take over.
+//! - Release clears `holderIdentity`; a candidate takes a lease without holder at once.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use tokio::sync::{oneshot, watch};
+
+use crate::api::Api;
+use crate::error::{Error, Result};
+use crate::Cluster;
+
+/// Configuration of one elector. Defaults follow client-go (15 s / 10 s / 2 s).
+#[derive(Debug, Clone)]
+pub struct LeaderElectionConfig {
+    pub namespace: String,
+    pub lease_name: String,
+    /// Unique per candidate (e.g. pod name + random suffix).
+    pub identity: String,
+    /// How long others wait, after the lease last changed, before taking it over.
+    pub lease_duration: Duration,
+    /// How long a leader keeps leading without a successful renew. Must be < lease_duration.
+    pub renew_deadline: Duration,
+    /// Interval between attempts to acquire or renew.
+    pub retry_period: Duration,
+}
+
+impl LeaderElectionConfig {
+    pub fn new(namespace: &str, lease_name: &str, identity: &str) -> Self {
+        LeaderElectionConfig {
+            namespace: namespace.to_string(),
+            lease_name: lease_name.to_string(),
+            identity: identity.to_string(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+
+    pub fn with_timing(
+        mut self,
+        lease_duration: Duration,
+        renew_deadline: Duration,
+        retry_period: Duration,
+    ) -> Self {
+        self.lease_duration = lease_duration;
+        self.renew_deadline = renew_deadline;
+        self.retry_period = retry_period;
+        self
+    }
+
+    fn lease_duration_secs(&self) -> i32 {
+        // leaseDurationSeconds is whole seconds; round up so we never promise less.
+        let ms = self.lease_duration.as_millis().max(1);
+        ms.div_ceil(1000).min(i32::MAX as u128) as i32
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    /// resourceVersion of the lease record last seen, and when (local clock) it was first seen.
+    observed_rv: Option<String>,
+    observed_at: Instant,
+    /// When the last successful acquire/renew request was sent; `None` when not leading.
+    renewed_at: Option<Instant>,
+}
+
+/// One candidate. Use [`LeaderElector::spawn`] for the background loop, or drive it with
+/// [`LeaderElector::try_acquire_or_renew`] yourself.
+#[derive(Debug)]
+pub struct LeaderElector {
+    api: Api<Lease>,
+    cfg: LeaderElectionConfig,
+    state: Mutex<State>,
+}
+
+fn micro_now() -> MicroTime {
+    let now = Timestamp::now();
+    MicroTime(Timestamp::from_microsecond(now.as_microsecond()).unwrap_or(now))
+}
+
+impl LeaderElector {
+    pub fn new(cluster: &Cluster, cfg: LeaderElectionConfig) -> Result<Self> {
+        if cfg.renew_deadline >= cfg.lease_duration {
+            return Err(Error::Invalid(
+                "renew_deadline must be shorter than lease_duration".into(),
+            ));
+        }
+        if cfg.retry_period >= cfg.renew_deadline {
+            return Err(Error::Invalid(
+                "retry_period must be shorter than renew_deadline".into(),
+            ));
+        }
+        if cfg.identity.is_empty() {
+            return Err(Error::Invalid("identity must not be empty".into()));
+        }
+        Ok(LeaderElector {
+            api: cluster.api::<Lease>(Some(&cfg.namespace)),
+            cfg,
+            state: Mutex::new(State {
+                observed_rv: None,
+                observed_at: Instant::now(),
+                renewed_at: None,
+            }),
+        })
+    }
+
+    pub fn identity(&self) -> &str {
+        &self.cfg.identity
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// True while this candidate holds the lease and its last successful renew was sent
+    /// less than `renew_deadline` ago. Time-based, so it turns false on its own when
+    /// renewals stop succeeding, even if nothing calls into the elector.
+    pub fn is_leader(&self) -> bool {
+        self.state()
+            .renewed_at
+            .is_some_and(|t| t.elapsed() < self.cfg.renew_deadline)
+    }
+
+    /// One round: acquire the lease if it is free or expired, renew it if we hold it.
+    /// Returns whether we lead after this round.
+    pub async fn try_acquire_or_renew(&self) -> Result<bool> {
+        let sent = Instant::now();
+        let now = micro_now();
+        let me = self.cfg.identity.clone();
+        let Some(mut lease) = self.api.get_opt(&self.cfg.lease_name).await? else {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(self.cfg.lease_name.clone()),
+                    namespace: Some(self.cfg.namespace.clone()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(me),
+                    lease_duration_seconds: Some(self.cfg.lease_duration_secs()),
+                    acquire_time: Some(now.clone()),
+                    renew_time: Some(now),
+                    lease_transitions: Some(0),
+                    ..Default::default()
+                }),
+            };
+            return match self.api.create(&lease).await {
+                Ok(created) => {
+                    self.record_success(&created, sent);
+                    Ok(true)
+                }
+                Err(e) if e.is_already_exists() || e.is_conflict() => Ok(false),
+                Err(e) => Err(e),
+            };
+        };
+
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
+        let i_hold = holder.as_deref() == Some(me.as_str());
+        {
+            let mut st = self.state();
+            if st.observed_rv != lease.metadata.resource_version {
+                st.observed_rv = lease.metadata.resource_version.clone();
+                st.observed_at = Instant::now();
+            }
+            if holder.is_some() && !i_hold {
+                // Someone else holds it: we are certainly not leading.
+                st.renewed_at = None;
+                let lease_secs = spec
+                    .lease_duration_seconds
+                    .unwrap_or(self.cfg.lease_duration_secs())
+                    .max(1);
+                if st.observed_at.elapsed() < Duration::from_secs(lease_secs as u64) {
+                    return Ok(false);
+                }
+                tracing::info!(lease = %self.cfg.lease_name, old = ?holder, new = %me, "lease expired; taking over");
+            }
+        }
+
+        let mut new_spec = spec.clone();
+        new_spec.holder_identity = Some(me.clone());
+        new_spec.lease_duration_seconds = Some(self.cfg.lease_duration_secs());
+        new_spec.renew_time = Some(now.clone());
+        if !i_hold {
+            new_spec.acquire_time = Some(now);
+            new_spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        }
+        lease.spec = Some(new_spec);
+        match self.api.replace(&lease).await {
+            Ok(updated) => {
+                self.record_success(&updated, sent);
+                Ok(true)
+            }
+            // Someone else wrote first; the next round sees who.
+            Err(e) if e.is_conflict() => Ok(self.is_leader()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn record_success(&self, lease: &Lease, sent: Instant) {
+        let mut st = self.state();
+        st.observed_rv = lease.metadata.resource_version.clone();
+        st.observed_at = Instant::now();
+        st.renewed_at = Some(sent);
+    }
+
+    /// Steps down, then clears `holderIdentity` if we still hold the lease, so another
+    /// candidate can take over at once instead of waiting for expiry.
+    pub async fn release(&self) -> Result<()> {
+        self.state().renewed_at = None;
+        for _ in 0..5 {
+            let Some(mut lease) = self.api.get_opt(&self.cfg.lease_name).await? else {
+                return Ok(());
+            };
+            let mut spec = lease.spec.clone().unwrap_or_default();
+            if spec.holder_identity.as_deref() != Some(self.cfg.identity.as_str()) {
+                return Ok(());
+            }
+            spec.holder_identity = None;
+            spec.renew_time = Some(micro_now());
+            lease.spec = Some(spec);
+            match self.api.replace(&lease).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_conflict() => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(Error::Conflict(format!(
+            "could not release lease {}",
+            self.cfg.lease_name
+        )))
+    }
+
+    /// Runs the election loop in a tokio task. Dropping the handle aborts the loop
+    /// *without* releasing (as a crash would: others take over after expiry); call
+    /// [`LeaderHandle::shutdown`] to release.
+    pub fn spawn(self) -> LeaderHandle {
+        let elector = Arc::new(self);
+        let (tx, rx) = watch::channel(false);
+        let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+        let e = elector.clone();
+        let task = tokio::spawn(async move {
+            let attempt_timeout = e.cfg.renew_deadline;
+            loop {
+                match tokio::time::timeout(attempt_timeout, e.try_acquire_or_renew()).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(err)) => {
+                        tracing::warn!(lease = %e.cfg.lease_name, error = %err, "lease acquire/renew failed")
+                    }
+                    Err(_) => {
+                        tracing::warn!(lease = %e.cfg.lease_name, "lease acquire/renew timed out")
+                    }
+                }
+                let leading = e.is_leader();
+                tx.send_if_modified(|v| std::mem::replace(v, leading) != leading);
+                tokio::select! {
+                    _ = &mut stop_rx => break,
+                    _ = tokio::time::sleep(e.cfg.retry_period) => {}
+                }
+            }
+            tx.send_replace(false);
+            let res = e.release().await;
+            if let Err(err) = &res {
+                tracing::warn!(lease = %e.cfg.lease_name, error = %err, "lease release failed");
+            }
+            res
+        });
+        LeaderHandle {
+            elector,
+            rx,
+            stop: Some(stop_tx),
+            task: Some(task),
+        }
+    }
+}
+
+/// The running election loop of one candidate.
+pub struct LeaderHandle {
+    elector: Arc<LeaderElector>,
+    rx: watch::Receiver<bool>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<()>>>,
+}
+
+impl LeaderHandle {
+    /// Exact, time-based answer (see [`LeaderElector::is_leader`]). Check it before every
+    /// action that only the leader may take.
+    pub fn is_leader(&self) -> bool {
+        self.elector.is_leader()
+    }
+
+    pub fn elector(&self) -> &LeaderElector {
+        &self.elector
+    }
+
+    /// A receiver that changes when leadership is gained or lost (updated once per
+    /// retry period, so it may trail [`LeaderHandle::is_leader`] by that much).
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.rx.clone()
+    }
+
+    /// Waits until this candidate leads.
+    pub async fn wait_for_leadership(&mut self) {
+        let _ = self.rx.wait_for(|v| *v).await;
+    }
+
+    /// Stops the loop and releases the lease (stepping down first).
+    pub async fn shutdown(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => task
+                .await
+                .map_err(|e| Error::Other(format!("election task: {e}")))?,
+            None => Ok(()),
+        }
+    }
+
+    /// Stops the loop without releasing, as a crashed process would. `is_leader` keeps
+    /// answering from the last successful renew, so it turns false at the renew deadline.
+    pub fn abort(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for LeaderHandle {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! The kube backend's own logic, checked against a scripted fake API server (a tower
+//! service behind `kube::Client::new`): request shapes, delete outcome classification,
+//! conflict-retrying metadata patches, paged lists, and the watch loop's re-list on
+//! `410 Gone` and resume after the server closes a watch.
+//!
+//! This does not replace the contract run against a real API server; it covers the
+//! plumbing that the embedded backend cannot exercise.
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::kube::client::Body;
+use fencecsi_cluster::{
+    Cluster, DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, WatchEvent, WatchParams,
+};
+use futures::StreamExt;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    uri: String,
+    body: String,
+}
+
+type Handler = dyn Fn(&Seen, usize) -> (u16, String) + Send + Sync;
+
+/// A cluster whose API server answers with `handler(request, index of the request)`.
+fn fake(
+    handler: impl Fn(&Seen, usize) -> (u16, String) + Send + Sync + 'static,
+) -> (Cluster, Arc<Mutex<Vec<Seen>>>) {
+    let log = Arc::new(Mutex::new(Vec::<Seen>::new()));
+    let handler: Arc<Handler> = Arc::new(handler);
+    let l = log.clone();
+    let svc = tower::service_fn(move |req: Request<Body>| {
+        let log = l.clone();
+        let handler = handler.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let bytes = body
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
+            let seen = Seen {
+                method: parts.method.to_string(),
+                uri: parts.uri.to_string(),
+                body: String::from_utf8_lossy(&bytes).into_owned(),
+            };
+            let n = {
+                let mut log = log.lock().unwrap();
+                log.push(seen.clone());
+                log.len() - 1
+            };
+            let (code, text) = handler(&seen, n);
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(Body::from(text.into_bytes()))
+                    .unwrap(),
+            )
+        }
+    });
+    (
+        Cluster::kube(fencecsi_cluster::kube::Client::new(svc, "default")),
+        log,
+    )
+}
+
+fn va(name: &str, rv: &str) -> Value {
+    json!({
+        "apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment",
+        "metadata": {"name": name, "resourceVersion": rv, "uid": format!("uid-{name}")},
+        "spec": {"attacher": "d", "nodeName": "n", "source": {"persistentVolumeName": "pv"}}
+    })
+}
+
+fn pod(name: &str, rv: &str, extra_meta: Value) -> Value {
+    let mut meta = json!({"name": name, "namespace": "ns", "resourceVersion": rv, "uid": "u1"});
+    meta.as_object_mut()
+        .unwrap()
+        .extend(extra_meta.as_object().unwrap().clone());
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": [{"name": "c"}]}})
+}
+
+fn status(code: u16, reason: &str) -> String {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason, "message": reason})
+        .to_string()
+}
+
+fn list(items: Vec<Value>, rv: &str, cont: Option<&str>) -> String {
+    json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": rv, "continue": cont}, "items": items})
+        .to_string()
+}
+
+fn watch_lines(events: &[(&str, Value)]) -> String {
+    events
+        .iter()
+        .map(|(t, o)| json!({"type": t, "object": o}).to_string() + "\n")
+        .collect()
+}
+
+async fn next<K: Clone + Send + 'static>(
+    s: &mut fencecsi_cluster::WatchStream<K>,
+) -> WatchEvent<K> {
+    tokio::time::timeout(Duration::from_secs(10), s.next())
+        .await
+        .expect("watch event in time")
+        .expect("stream open")
+}
+
+fn names(items: &[VolumeAttachment]) -> Vec<String> {
+    items
+        .iter()
+        .map(|v| v.metadata.name.clone().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn watch_relists_on_gone_and_resumes_after_close() {
+    // A scripted sequence is clearer than a stateful server: the n-th request gets the n-th answer.
+    let script: Vec<(&str, &str, u16, String)> = vec![
+        (
+            "GET",
+            "limit=500",
+            200,
+            list(vec![va("a", "5")], "10", None),
+        ),
+        (
+            "GET",
+            "resourceVersion=10",
+            200,
+            watch_lines(&[
+                ("ADDED", va("b", "11")),
+                (
+                    "ERROR",
+                    serde_json::from_str::<Value>(&status(410, "Expired")).unwrap(),
+                ),
+            ]),
+        ),
+        (
+            "GET",
+            "limit=500",
+            200,
+            list(vec![va("a", "5"), va("b", "11")], "20", None),
+        ),
+        (
+            "GET",
+            "resourceVersion=20",
+            200,
+            watch_lines(&[("MODIFIED", va("b", "21"))]),
+        ),
+        (
+            "GET",
+            "resourceVersion=21",
+            200,
+            watch_lines(&[("DELETED", va("a", "22"))]),
+        ),
+    ];
+    let script = Arc::new(script);
+    let s2 = script.clone();
+    let (cluster, log) = fake(move |req, n| {
+        let (method, needle, code, body) =
+            s2.get(n)
+                .cloned()
+                .unwrap_or(("GET", "", 200, String::new()));
+        assert_eq!(req.method, method, "request {n}: {}", req.uri);
+        assert!(
+            req.uri.contains(needle),
+            "request {n} should contain {needle:?}: {}",
+            req.uri
+        );
+        (code, body)
+    });
+    let vas = cluster.api::<VolumeAttachment>(None);
+    let mut w = vas.watch(&WatchParams::default().labels("app=x")).unwrap();
+
+    let WatchEvent::Listed(items) = next(&mut w).await else {
+        panic!("first is Listed")
+    };
+    assert_eq!(names(&items), ["a"]);
+    let WatchEvent::Added(b) = next(&mut w).await else {
+        panic!("then Added")
+    };
+    assert_eq!(b.metadata.name.as_deref(), Some("b"));
+    let WatchEvent::Listed(items) = next(&mut w).await else {
+        panic!("410 re-lists")
+    };
+    assert_eq!(names(&items), ["a", "b"]);
+    let WatchEvent::Modified(b) = next(&mut w).await else {
+        panic!("then Modified")
+    };
+    assert_eq!(b.metadata.resource_version.as_deref(), Some("21"));
+    // The server closed the watch: it resumes from the last resourceVersion seen.
+    let WatchEvent::Deleted(a) = next(&mut w).await else {
+        panic!("then Deleted after resume")
+    };
+    assert_eq!(a.metadata.name.as_deref(), Some("a"));
+
+    let log = log.lock().unwrap().clone();
+    assert!(
+        log[0].uri.contains("labelSelector=app%3Dx"),
+        "selector passed: {}",
+        log[0].uri
+    );
+    assert!(log[1].uri.contains("watch=true") && log[1].uri.contains("labelSelector=app%3Dx"));
+    assert!(
+        log[1]
+            .uri
+            .starts_with("/apis/storage.k8s.io/v1/volumeattachments?"),
+        "{}",
+        log[1].uri
+    );
+}
+
+#[tokio::test]
+async fn list_follows_continue_tokens() {
+    let (cluster, log) = fake(|req, _| {
+        if req.uri.contains("continue=tok") {
+            (200, list(vec![va("c", "7")], "99", None))
+        } else {
+            (
+                200,
+                list(vec![va("a", "5"), va("b", "6")], "42", Some("tok")),
+            )
+        }
+    });
+    let out = cluster
+        .api::<VolumeAttachment>(None)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(names(&out.items), ["a", "b", "c"]);
+    assert_eq!(
+        out.resource_version, "42",
+        "snapshot resourceVersion is the first page's"
+    );
+    assert_eq!(log.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn patch_metadata_sends_resource_version_and_retries_conflicts() {
+    let (cluster, log) = fake(|req, n| match (req.method.as_str(), n) {
+        ("GET", 0) => (200, pod("p", "1", json!({"finalizers": ["a"]})).to_string()),
+        ("PATCH", 1) => (409, status(409, "Conflict")),
+        ("GET", 2) => (
+            200,
+            pod("p", "2", json!({"finalizers": ["a", "z"]})).to_string(),
+        ),
+        ("PATCH", 3) => (
+            200,
+            pod("p", "3", json!({"finalizers": ["z", "b"]})).to_string(),
+        ),
+        other => panic!("unexpected request {other:?}: {}", req.uri),
+    });
+    let pods = cluster.api::<Pod>(Some("ns"));
+    let out = pods
+        .patch_metadata(
+            "p",
+            &MetadataPatch::new()
+                .add_finalizer("b")
+                .remove_finalizer("a")
+                .set_label("l", "v"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.metadata.resource_version.as_deref(), Some("3"));
+    let log = log.lock().unwrap().clone();
+    assert_eq!(log[1].uri, "/api/v1/namespaces/ns/pods/p?");
+    let body: Value = serde_json::from_str(&log[3].body).unwrap();
+    assert_eq!(
+        body["metadata"]["resourceVersion"], "2",
+        "patch carries the resourceVersion read"
+    );
+    assert_eq!(
+        body["metadata"]["finalizers"],
+        json!(["z", "b"]),
+        "set operation on the latest list"
+    );
+    assert_eq!(body["metadata"]["labels"], json!({"l": "v"}));
+}
+
+#[tokio::test]
+async fn patch_metadata_with_explicit_resource_version_does_not_retry() {
+    let (cluster, log) = fake(|_, n| match n {
+        0 => (200, pod("p", "5", json!({})).to_string()),
+        _ => panic!("no write expected"),
+    });
+    let err = cluster
+        .api::<Pod>(Some("ns"))
+        .patch_metadata(
+            "p",
+            &MetadataPatch::new()
+                .add_finalizer("x")
+                .if_resource_version("4"),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.is_conflict(), "{err}");
+    assert_eq!(log.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn delete_outcomes_and_options() {
+    let (cluster, log) = fake(|req, n| {
+        match n {
+        // Graceful: the pod comes back with deletionTimestamp and a running grace period.
+        0 => (
+            200,
+            pod("p", "2", json!({"deletionTimestamp": "2030-01-01T00:00:00Z", "deletionGracePeriodSeconds": 30}))
+                .to_string(),
+        ),
+        // Force delete of a pod: the server returns the pod object, grace 0, no finalizers.
+        1 => (
+            200,
+            pod("p", "3", json!({"deletionTimestamp": "2030-01-01T00:00:00Z", "deletionGracePeriodSeconds": 0}))
+                .to_string(),
+        ),
+        // Other kinds return a Status when gone.
+        2 => (200, json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}).to_string()),
+        // Finalizers pending.
+        3 => (
+            200,
+            {
+                let mut v = va("v", "9");
+                v["metadata"]["deletionTimestamp"] = json!("2030-01-01T00:00:00Z");
+                v["metadata"]["finalizers"] = json!(["f"]);
+                v["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+                v.to_string()
+            },
+        ),
+        4 => (409, status(409, "Conflict")),
+        5 => (404, status(404, "NotFound")),
+        _ => panic!("unexpected {}", req.uri),
+    }
+    });
+    let pods = cluster.api::<Pod>(Some("ns"));
+    let vas = cluster.api::<VolumeAttachment>(None);
+    assert!(matches!(
+        pods.delete("p", &DeleteOptions::grace_period(30))
+            .await
+            .unwrap(),
+        DeleteOutcome::Terminating(_)
+    ));
+    assert!(pods
+        .delete("p", &DeleteOptions::force().with_uid("u1"))
+        .await
+        .unwrap()
+        .is_deleted());
+    assert!(vas
+        .delete("v", &DeleteOptions::default())
+        .await
+        .unwrap()
+        .is_deleted());
+    assert!(matches!(
+        vas.delete("v", &DeleteOptions::default()).await.unwrap(),
+        DeleteOutcome::Terminating(_)
+    ));
+    assert!(pods
+        .delete("p", &DeleteOptions::force().with_uid("stale"))
+        .await
+        .unwrap_err()
+        .is_conflict());
+    assert!(pods
+        .delete("p", &DeleteOptions::force())
+        .await
+        .unwrap_err()
+        .is_not_found());
+
+    let log = log.lock().unwrap().clone();
+    assert_eq!(log[1].method, "DELETE");
+    assert_eq!(log[1].uri, "/api/v1/namespaces/ns/pods/p?");
+    let body: Value = serde_json::from_str(&log[1].body).unwrap();
+    assert_eq!(body["gracePeriodSeconds"], 0);
+    assert_eq!(body["preconditions"]["uid"], "u1");
+    assert_eq!(log[2].uri, "/apis/storage.k8s.io/v1/volumeattachments/v?");
+}

@@ -1,0 +1,171 @@
+//! A controller plugin plus several node plugins, each node with its own
+//! kubelet-like dir, all in this process, sharing one state dir and kernel:
+//! the topology the fence is built for. Helpers drive a volume through the
+//! same RPC sequence a CO uses.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use fencecsi_driver::config::Mode;
+use fencecsi_proto::client::CsiClient;
+use tonic::Status;
+
+use crate::{csi, Env, InProcess};
+
+pub struct Rig {
+    pub controller: CsiClient,
+    pub nodes: HashMap<String, CsiClient>,
+    plugins: Vec<InProcess>,
+}
+
+/// Where a volume is staged and published on one node.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub node: String,
+    pub volume_id: String,
+    pub staging: PathBuf,
+    pub target: PathBuf,
+    pub cap: csi::VolumeCapability,
+    pub publish_context: HashMap<String, String>,
+}
+
+impl Placement {
+    /// The generation this placement was published on.
+    pub fn generation(&self) -> u64 {
+        self.publish_context[fencecsi_driver::controller::CTX_GENERATION].parse().unwrap()
+    }
+}
+
+impl Rig {
+    /// Starts a controller (in its own process-local server) and one node
+    /// plugin per name.
+    pub async fn start(env: &Env, nodes: &[&str]) -> Rig {
+        let mut plugins = Vec::new();
+        let (p, controller) = InProcess::start(env.config(Mode::Controller, None, "controller")).await;
+        plugins.push(p);
+        let mut clients = HashMap::new();
+        for n in nodes {
+            let (p, c) = InProcess::start(env.config(Mode::Node, Some(n), &format!("node-{n}"))).await;
+            plugins.push(p);
+            clients.insert(n.to_string(), c);
+        }
+        Rig { controller, nodes: clients, plugins }
+    }
+
+    pub fn node(&self, n: &str) -> CsiClient {
+        self.nodes[n].clone()
+    }
+
+    pub async fn create(&self, name: &str, size: i64, cap: &csi::VolumeCapability) -> csi::Volume {
+        self.controller
+            .clone()
+            .controller
+            .create_volume(csi::CreateVolumeRequest {
+                name: name.into(),
+                capacity_range: Some(csi::CapacityRange { required_bytes: size, limit_bytes: 0 }),
+                volume_capabilities: vec![cap.clone()],
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume")
+            .into_inner()
+            .volume
+            .expect("volume in response")
+    }
+
+    /// ControllerPublish, NodeStage, NodePublish on `node`.
+    pub async fn attach(&self, env: &Env, volume_id: &str, node: &str, pod: &str, cap: &csi::VolumeCapability) -> Result<Placement, Status> {
+        let ctx = self
+            .controller
+            .clone()
+            .controller
+            .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                volume_id: volume_id.into(),
+                node_id: node.into(),
+                volume_capability: Some(cap.clone()),
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .publish_context;
+        let staging = env.staging_path(node, volume_id);
+        let target = env.target_path(node, pod, volume_id);
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        let mut n = self.node(node);
+        n.node
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: volume_id.into(),
+                publish_context: ctx.clone(),
+                staging_target_path: staging.to_string_lossy().into(),
+                volume_capability: Some(cap.clone()),
+                ..Default::default()
+            })
+            .await?;
+        n.node
+            .node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: volume_id.into(),
+                publish_context: ctx.clone(),
+                staging_target_path: staging.to_string_lossy().into(),
+                target_path: target.to_string_lossy().into(),
+                volume_capability: Some(cap.clone()),
+                ..Default::default()
+            })
+            .await?;
+        Ok(Placement { node: node.into(), volume_id: volume_id.into(), staging, target, cap: cap.clone(), publish_context: ctx })
+    }
+
+    /// NodeUnpublish and NodeUnstage (with or without force).
+    pub async fn node_teardown(&self, p: &Placement, force: bool) -> Result<(), Status> {
+        let mut n = self.node(&p.node);
+        n.node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: p.volume_id.clone(), target_path: p.target.to_string_lossy().into(), force })
+            .await?;
+        n.node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: p.volume_id.clone(), staging_target_path: p.staging.to_string_lossy().into(), force })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn unpublish(&self, volume_id: &str, node: &str, fence: bool) -> Result<(), Status> {
+        self.controller
+            .clone()
+            .controller
+            .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest { volume_id: volume_id.into(), node_id: node.into(), fence, ..Default::default() })
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn delete(&self, volume_id: &str) -> Result<(), Status> {
+        self.controller.clone().controller.delete_volume(csi::DeleteVolumeRequest { volume_id: volume_id.into(), ..Default::default() }).await.map(|_| ())
+    }
+
+    pub async fn stop(self) {
+        for p in self.plugins {
+            p.stop().await;
+        }
+    }
+}
+
+/// A small deterministic PRNG for randomised timing (seed printed by tests).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed | 1)
+    }
+    pub fn from_env(var: &str) -> (Self, u64) {
+        let seed = std::env::var(var).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+        });
+        (Rng::new(seed), seed)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo).max(1)
+    }
+}
