@@ -57,6 +57,8 @@ mod leader;
 mod object;
 mod params;
 mod selector;
+pub mod sim;
+pub mod well_known;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -81,6 +81,41 @@ pub struct Config {
     /// longer held by any loop device (seconds).
     #[arg(long, default_value_t = 10)]
     pub gc_interval_secs: u64,
+
+    /// Node return: how often the node plugin looks for volumes whose attachment was
+    /// fenced away from this node and force-releases them (mounts, globalmount dir, loop
+    /// device). A pass also runs at start. "10s", "500ms", "2m" or plain seconds; 0 turns
+    /// recovery off.
+    #[arg(long = "recover-interval", default_value = "10s", value_parser = parse_duration)]
+    pub recover_interval: std::time::Duration,
+
+    /// Report the node clean once nothing fenced is left. This binary has no cluster
+    /// client, so the report is only logged; embedders pass a reporter to
+    /// `server::serve_with` (fencecsi-podgc's `NodeCleanReporter` writes
+    /// fencecsi.io/node-clean on the Node).
+    #[arg(long)]
+    pub report_node_clean: bool,
+}
+
+/// Parses "10s", "500ms", "2m", "1h" or plain seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (like 10s, 500ms, 2m)"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1e3,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("unknown unit {other:?} in {s:?} (ms, s, m, h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("{s:?} is not a duration"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 impl Config {
@@ -133,6 +168,10 @@ impl Config {
             direct_io: true,
             log_format: LogFormat::Text,
             gc_interval_secs: 10,
+            // Off for tests and embedders unless they ask: a background pass would race
+            // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
+            recover_interval: std::time::Duration::ZERO,
+            report_node_clean: false,
         }
     }
 }

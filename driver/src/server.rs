@@ -62,6 +62,26 @@ pub async fn serve(
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_with(cfg, shutdown, ServeHooks::default()).await
+}
+
+/// What an embedder (tests, the drill, a binary with a cluster client) adds to [`serve`].
+#[derive(Default)]
+pub struct ServeHooks {
+    /// Where node recovery reports the node clean; `None`: logged only.
+    pub clean_reporter: Option<Arc<dyn crate::node::recover::CleanReporter>>,
+    /// Receives control of the node recovery loop once it runs (node modes with a
+    /// non-zero `recover_interval`, or always when this is given: then a zero interval
+    /// means "at start and on demand").
+    pub recovery: Option<tokio::sync::oneshot::Sender<crate::node::recover::RecoveryHandle>>,
+}
+
+/// [`serve`] with hooks.
+pub async fn serve_with(
+    cfg: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    hooks: ServeHooks,
+) -> Result<(), ServeError> {
     cfg.validate().map_err(ServeError::Config)?;
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
     let io = |what: &str| {
@@ -86,6 +106,29 @@ pub async fn serve(
     let gc_task = controller
         .as_ref()
         .map(|c| spawn_gc(c.clone(), Duration::from_secs(cfg.gc_interval_secs.max(1))));
+    if cfg.report_node_clean && hooks.clean_reporter.is_none() {
+        tracing::warn!("--report-node-clean: this build has no cluster client; clean reports are logged only (embed with a reporter to write them)");
+    }
+    let recovery = match &node {
+        Some(n) if !cfg.recover_interval.is_zero() || hooks.recovery.is_some() => {
+            let reporter = hooks
+                .clean_reporter
+                .clone()
+                .unwrap_or_else(|| Arc::new(crate::node::recover::LogReporter));
+            let h = crate::node::recover::spawn(
+                n.clone(),
+                crate::node::recover::RecoveryOptions {
+                    interval: cfg.recover_interval,
+                    reporter,
+                },
+            );
+            if let Some(tx) = hooks.recovery {
+                let _ = tx.send(h.clone());
+            }
+            Some(h)
+        }
+        _ => None,
+    };
     let router = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService::new(&cfg)))
         .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
@@ -95,6 +138,9 @@ pub async fn serve(
         .await;
     if let Some(t) = gc_task {
         t.abort();
+    }
+    if let Some(r) = recovery {
+        r.abort();
     }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped; socket removed, volumes left mounted");

@@ -7,6 +7,7 @@
 //! backing file is below it (and only those), and clears immutable flags so
 //! the files can be removed. Nothing outside the temp dir is touched.
 
+pub mod bench;
 pub mod records;
 pub mod rig;
 
@@ -65,10 +66,12 @@ impl Env {
         let base = std::env::var_os("FENCECSI_TEST_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(std::env::temp_dir);
-        let dir = tempfile::Builder::new()
-            .prefix("fencecsi-test-")
-            .tempdir_in(base)
-            .expect("creating the test dir");
+        Self::new_in(&base)
+    }
+
+    /// An env below `base` (e.g. a backend filesystem mounted by an outer env).
+    pub fn new_in(base: &Path) -> Self {
+        let dir = tempfile::Builder::new().prefix("fencecsi-test-").tempdir_in(base).expect("creating the test dir");
         Env { dir }
     }
 

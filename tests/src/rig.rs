@@ -52,6 +52,16 @@ impl Rig {
         Rig { controller, nodes: clients, plugins }
     }
 
+    /// Stops the controller plugin and starts a new one on the same state
+    /// dir, as a crash or an upgrade would.
+    pub async fn restart_controller(&mut self, env: &Env) {
+        let old = self.plugins.remove(0);
+        old.stop().await;
+        let (p, controller) = InProcess::start(env.config(Mode::Controller, None, "controller")).await;
+        self.plugins.insert(0, p);
+        self.controller = controller;
+    }
+
     pub fn node(&self, n: &str) -> CsiClient {
         self.nodes[n].clone()
     }

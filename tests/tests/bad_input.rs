@@ -33,7 +33,9 @@ macro_rules! assert_code {
             "{} [{}] -> {:?}",
             stringify!($call),
             $what,
-            r.as_ref().err().map(|s| s.message().chars().take(300).collect::<String>())
+            r.as_ref()
+                .err()
+                .map(|s| s.message().chars().take(300).collect::<String>())
         );
     }};
 }
@@ -89,8 +91,16 @@ fn assert_same(before: &World, after: &World, what: &str) {
     if before == after {
         return;
     }
-    let added: Vec<_> = after.tree.keys().filter(|k| !before.tree.contains_key(*k)).collect();
-    let removed: Vec<_> = before.tree.keys().filter(|k| !after.tree.contains_key(*k)).collect();
+    let added: Vec<_> = after
+        .tree
+        .keys()
+        .filter(|k| !before.tree.contains_key(*k))
+        .collect();
+    let removed: Vec<_> = before
+        .tree
+        .keys()
+        .filter(|k| !after.tree.contains_key(*k))
+        .collect();
     let changed: Vec<_> = after
         .tree
         .iter()
@@ -127,7 +137,11 @@ async fn create(c: &mut CsiClient, name: &str, size: i64, cap: &csi::VolumeCapab
         .volume_id
 }
 
-async fn cpublish(c: &mut CsiClient, id: &str, cap: &csi::VolumeCapability) -> HashMap<String, String> {
+async fn cpublish(
+    c: &mut CsiClient,
+    id: &str,
+    cap: &csi::VolumeCapability,
+) -> HashMap<String, String> {
     c.controller
         .controller_publish_volume(csi::ControllerPublishVolumeRequest {
             volume_id: id.into(),
@@ -218,7 +232,10 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
         })
         .await
         .unwrap();
-    let escapes = vec![PathBuf::from("/etc/passwd.fencecsi"), env.path().join("etc")];
+    let escapes = vec![
+        PathBuf::from("/etc/passwd.fencecsi"),
+        env.path().join("etc"),
+    ];
     let before = world(&env, &escapes);
     let range = Some(csi::CapacityRange {
         required_bytes: 32 * MIB,
@@ -262,20 +279,22 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
             what
         );
         assert_code!(
-            c.node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: bad.clone(),
-                target_path: s(&staging),
-                force: true,
-            }),
+            c.node
+                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                    volume_id: bad.clone(),
+                    target_path: s(&staging),
+                    force: true,
+                }),
             ia,
             what
         );
         assert_code!(
-            c.node.node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                volume_id: bad.clone(),
-                volume_path: s(&staging),
-                staging_target_path: s(&staging),
-            }),
+            c.node
+                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                    volume_id: bad.clone(),
+                    volume_path: s(&staging),
+                    staging_target_path: s(&staging),
+                }),
             ia,
             what
         );
@@ -283,7 +302,7 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
             c.node.node_expand_volume(csi::NodeExpandVolumeRequest {
                 volume_id: bad.clone(),
                 volume_path: s(&staging),
-                capacity_range: range.clone(),
+                capacity_range: range,
                 ..Default::default()
             }),
             ia,
@@ -300,48 +319,53 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
         );
         for (vol, node) in [(bad.as_str(), "node-a"), (id.as_str(), bad.as_str())] {
             assert_code!(
-                c.controller.controller_publish_volume(csi::ControllerPublishVolumeRequest {
-                    volume_id: vol.into(),
-                    node_id: node.into(),
-                    volume_capability: Some(cap.clone()),
-                    ..Default::default()
-                }),
+                c.controller
+                    .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                        volume_id: vol.into(),
+                        node_id: node.into(),
+                        volume_capability: Some(cap.clone()),
+                        ..Default::default()
+                    }),
                 ia,
                 what
             );
             assert_code!(
-                c.controller.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-                    volume_id: vol.into(),
-                    node_id: node.into(),
-                    fence: true,
-                    ..Default::default()
-                }),
+                c.controller
+                    .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                        volume_id: vol.into(),
+                        node_id: node.into(),
+                        fence: true,
+                        ..Default::default()
+                    }),
                 ia,
                 what
             );
         }
         assert_code!(
-            c.controller.validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
-                volume_id: bad.clone(),
-                volume_capabilities: vec![cap.clone()],
-                ..Default::default()
-            }),
+            c.controller
+                .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+                    volume_id: bad.clone(),
+                    volume_capabilities: vec![cap.clone()],
+                    ..Default::default()
+                }),
             ia,
             what
         );
         assert_code!(
-            c.controller.controller_get_volume(csi::ControllerGetVolumeRequest {
-                volume_id: bad.clone()
-            }),
+            c.controller
+                .controller_get_volume(csi::ControllerGetVolumeRequest {
+                    volume_id: bad.clone()
+                }),
             ia,
             what
         );
         assert_code!(
-            c.controller.controller_expand_volume(csi::ControllerExpandVolumeRequest {
-                volume_id: bad.clone(),
-                capacity_range: range.clone(),
-                ..Default::default()
-            }),
+            c.controller
+                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+                    volume_id: bad.clone(),
+                    capacity_range: range,
+                    ..Default::default()
+                }),
             ia,
             what
         );
@@ -373,7 +397,7 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
             assert_code!(
                 c.controller.create_volume(csi::CreateVolumeRequest {
                     name: "pvc-from-bad".into(),
-                    capacity_range: range.clone(),
+                    capacity_range: range,
                     volume_capabilities: vec![cap.clone()],
                     volume_content_source: Some(csi::VolumeContentSource { r#type: Some(src) }),
                     ..Default::default()
@@ -404,14 +428,20 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
         assert!(listed.entries.is_empty());
     }
     assert_same(&before, &world(&env, &escapes), "bad IDs");
-    assert!(mounts::is_mountpoint(&staging).unwrap(), "the real volume stayed staged");
+    assert!(
+        mounts::is_mountpoint(&staging).unwrap(),
+        "the real volume stayed staged"
+    );
 
     // A volume *name* is not a path: a traversal-looking name makes an
     // ordinary volume with a generated ID, inside the state dir.
     let odd = create(&mut c, "../../etc/passwd", 16 * MIB, &cap).await;
     assert!(odd.starts_with("vol-") && !odd.contains('/'));
     assert!(env.state_dir().join("volumes").join(&odd).is_dir());
-    for (name, code) in [("pvc\0nul", Code::InvalidArgument), (&*"n".repeat(1025), Code::InvalidArgument)] {
+    for (name, code) in [
+        ("pvc\0nul", Code::InvalidArgument),
+        (&*"n".repeat(1025), Code::InvalidArgument),
+    ] {
         assert_code!(
             c.controller.create_volume(csi::CreateVolumeRequest {
                 name: name.into(),
@@ -507,7 +537,11 @@ async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
         format!("{}/pods/{}", kubelet.display(), "a".repeat(256)),
         format!("{}/{}", kubelet.display(), "abcdefg/".repeat(600)),
     ];
-    let escapes = vec![system.clone(), PathBuf::from("/etc/fencecsi-escape"), outside.join("mount")];
+    let escapes = vec![
+        system.clone(),
+        PathBuf::from("/etc/fencecsi-escape"),
+        outside.join("mount"),
+    ];
     let before = world(&env, &escapes);
     assert_eq!(before.mounts.len(), 2);
     assert_eq!(before.loops.len(), 1);
@@ -525,14 +559,23 @@ async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
             ia,
             what
         );
-        assert_code!(c.node.node_publish_volume(publish(bad, &s(&staging))), ia, what);
-        assert_code!(c.node.node_publish_volume(publish(&s(&good_target), bad)), ia, what);
         assert_code!(
-            c.node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: id.clone(),
-                target_path: bad.clone(),
-                force: true,
-            }),
+            c.node.node_publish_volume(publish(bad, &s(&staging))),
+            ia,
+            what
+        );
+        assert_code!(
+            c.node.node_publish_volume(publish(&s(&good_target), bad)),
+            ia,
+            what
+        );
+        assert_code!(
+            c.node
+                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                    volume_id: id.clone(),
+                    target_path: bad.clone(),
+                    force: true,
+                }),
             ia,
             what
         );
@@ -557,17 +600,21 @@ async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
         // Stats only ever look: a path that cannot hold the volume is NOT_FOUND
         // (what csi-sanity expects for "some/path"), and is not looked at.
         assert_code!(
-            c.node.node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                volume_id: id.clone(),
-                volume_path: bad.clone(),
-                staging_target_path: String::new(),
-            }),
+            c.node
+                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                    volume_id: id.clone(),
+                    volume_path: bad.clone(),
+                    staging_target_path: String::new(),
+                }),
             Code::NotFound,
             what
         );
     }
     assert_same(&before, &world(&env, &escapes), "bad paths");
-    assert_eq!(std::fs::read(outside.join("precious")).unwrap(), b"do not touch");
+    assert_eq!(
+        std::fs::read(outside.join("precious")).unwrap(),
+        b"do not touch"
+    );
 
     teardown(&mut c, &id, &staging, &[&good_target]).await;
     plugin.stop().await;
@@ -594,18 +641,48 @@ fn mount_type(fs: &str, flags: Vec<String>, group: &str) -> Option<AccessType> {
 
 fn unsupported_caps() -> Vec<(&'static str, csi::VolumeCapability)> {
     vec![
-        ("multi-node multi-writer", mount_cap(Access::MultiNodeMultiWriter, "ext4")),
-        ("multi-node single-writer", mount_cap(Access::MultiNodeSingleWriter, "ext4")),
-        ("block multi-writer", block_cap(Access::MultiNodeMultiWriter)),
+        (
+            "multi-node multi-writer",
+            mount_cap(Access::MultiNodeMultiWriter, "ext4"),
+        ),
+        (
+            "multi-node single-writer",
+            mount_cap(Access::MultiNodeSingleWriter, "ext4"),
+        ),
+        (
+            "block multi-writer",
+            block_cap(Access::MultiNodeMultiWriter),
+        ),
         ("unknown fs", mount_cap(Access::SingleNodeWriter, "ntfs")),
-        ("fs with a slash", mount_cap(Access::SingleNodeWriter, "../ext4")),
-        ("no access mode", cap_with(None, mount_type("ext4", vec![], ""))),
-        ("UNKNOWN mode", cap_with(Some(Access::Unknown), mount_type("ext4", vec![], ""))),
-        ("no access type", cap_with(Some(Access::SingleNodeWriter), None)),
-        ("mount group", cap_with(Some(Access::SingleNodeWriter), mount_type("ext4", vec![], "1000"))),
+        (
+            "fs with a slash",
+            mount_cap(Access::SingleNodeWriter, "../ext4"),
+        ),
+        (
+            "no access mode",
+            cap_with(None, mount_type("ext4", vec![], "")),
+        ),
+        (
+            "UNKNOWN mode",
+            cap_with(Some(Access::Unknown), mount_type("ext4", vec![], "")),
+        ),
+        (
+            "no access type",
+            cap_with(Some(Access::SingleNodeWriter), None),
+        ),
+        (
+            "mount group",
+            cap_with(
+                Some(Access::SingleNodeWriter),
+                mount_type("ext4", vec![], "1000"),
+            ),
+        ),
         (
             "huge mount flags",
-            cap_with(Some(Access::SingleNodeWriter), mount_type("ext4", vec!["noatime".repeat(1000)], "")),
+            cap_with(
+                Some(Access::SingleNodeWriter),
+                mount_type("ext4", vec!["noatime".repeat(1000)], ""),
+            ),
         ),
         (
             "mode out of range",
@@ -623,20 +700,29 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
     let env = Env::new();
     let (plugin, mut c) = start(&env).await;
     let good = mount_cap(Access::SingleNodeWriter, "ext4");
-    let req = |cap: &csi::VolumeCapability, required: i64, limit: i64, params: &[(&str, &str)]| csi::CreateVolumeRequest {
-        name: "pvc-bad".into(),
-        capacity_range: Some(csi::CapacityRange {
-            required_bytes: required,
-            limit_bytes: limit,
-        }),
-        volume_capabilities: vec![cap.clone()],
-        parameters: params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        ..Default::default()
+    let req = |cap: &csi::VolumeCapability, required: i64, limit: i64, params: &[(&str, &str)]| {
+        csi::CreateVolumeRequest {
+            name: "pvc-bad".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: required,
+                limit_bytes: limit,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        }
     };
     let before = world(&env, &[]);
 
     for (what, cap) in unsupported_caps() {
-        assert_code!(c.controller.create_volume(req(&cap, 16 * MIB, 0, &[])), Code::InvalidArgument, what);
+        assert_code!(
+            c.controller.create_volume(req(&cap, 16 * MIB, 0, &[])),
+            Code::InvalidArgument,
+            what
+        );
         // One bad capability among good ones spoils the request.
         assert_code!(
             c.controller.create_volume(csi::CreateVolumeRequest {
@@ -652,18 +738,42 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
     for (what, required, limit, code) in [
         ("negative required", -1, 0, Code::InvalidArgument),
         ("negative limit", 16 * MIB, -5, Code::InvalidArgument),
-        ("required above limit", 32 * MIB, 16 * MIB, Code::InvalidArgument),
+        (
+            "required above limit",
+            32 * MIB,
+            16 * MIB,
+            Code::InvalidArgument,
+        ),
         ("i64::MIN", i64::MIN, 0, Code::InvalidArgument),
-        ("larger than the backing filesystem", backend + MIB, 0, Code::OutOfRange),
+        (
+            "larger than the backing filesystem",
+            backend + MIB,
+            0,
+            Code::OutOfRange,
+        ),
         ("1 PiB", 1 << 50, 0, Code::OutOfRange),
         ("i64::MAX", i64::MAX, 0, Code::OutOfRange),
         ("limit below the ext4 minimum", 0, MIB, Code::OutOfRange),
-        ("limit below the ext4 minimum, required 1", 1, MIB, Code::OutOfRange),
+        (
+            "limit below the ext4 minimum, required 1",
+            1,
+            MIB,
+            Code::OutOfRange,
+        ),
     ] {
-        assert_code!(c.controller.create_volume(req(&good, required, limit, &[])), code, what);
+        assert_code!(
+            c.controller.create_volume(req(&good, required, limit, &[])),
+            code,
+            what
+        );
     }
     assert_code!(
-        c.controller.create_volume(req(&mount_cap(Access::SingleNodeWriter, ""), 0, 100 * MIB, &[("fsType", "xfs")])),
+        c.controller.create_volume(req(
+            &mount_cap(Access::SingleNodeWriter, ""),
+            0,
+            100 * MIB,
+            &[("fsType", "xfs")]
+        )),
         Code::OutOfRange,
         "limit below the xfs minimum"
     );
@@ -682,12 +792,23 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
         );
     }
     assert_code!(
-        c.controller.create_volume(req(&mount_cap(Access::SingleNodeWriter, "xfs"), 300 * MIB, 0, &[("fsType", "ext4")])),
+        c.controller.create_volume(req(
+            &mount_cap(Access::SingleNodeWriter, "xfs"),
+            300 * MIB,
+            0,
+            &[("fsType", "ext4")]
+        )),
         Code::InvalidArgument,
         "capability and parameter disagree"
     );
     assert_same(&before, &world(&env, &[]), "refused CreateVolume");
-    assert_eq!(std::fs::read_dir(env.state_dir().join("volumes")).unwrap().count(), 0, "no image, no record");
+    assert_eq!(
+        std::fs::read_dir(env.state_dir().join("volumes"))
+            .unwrap()
+            .count(),
+        0,
+        "no image, no record"
+    );
 
     // The same capabilities on the other RPCs of a real volume.
     let id = create(&mut c, "pvc-caps", 16 * MIB, &good).await;
@@ -721,28 +842,34 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
             what
         );
         assert_code!(
-            c.controller.controller_publish_volume(csi::ControllerPublishVolumeRequest {
-                volume_id: id.clone(),
-                node_id: "node-a".into(),
-                volume_capability: Some(cap.clone()),
-                ..Default::default()
-            }),
+            c.controller
+                .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                    volume_id: id.clone(),
+                    node_id: "node-a".into(),
+                    volume_capability: Some(cap.clone()),
+                    ..Default::default()
+                }),
             Code::InvalidArgument,
             what
         );
     }
     // Expanding past the backend: OUT_OF_RANGE, the image keeps its size.
-    let img = env.state_dir().join("volumes").join(&id).join("gen-000001.img");
+    let img = env
+        .state_dir()
+        .join("volumes")
+        .join(&id)
+        .join("gen-000001.img");
     for (required, code) in [(1 << 50, Code::OutOfRange), (-1, Code::InvalidArgument)] {
         assert_code!(
-            c.controller.controller_expand_volume(csi::ControllerExpandVolumeRequest {
-                volume_id: id.clone(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: required,
-                    limit_bytes: 0,
+            c.controller
+                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+                    volume_id: id.clone(),
+                    capacity_range: Some(csi::CapacityRange {
+                        required_bytes: required,
+                        limit_bytes: 0,
+                    }),
+                    ..Default::default()
                 }),
-                ..Default::default()
-            }),
             code,
             required
         );
@@ -824,8 +951,21 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
     };
     let r = create_req.clone();
     all_at_once!(8, c, r, |k, r| k.controller.create_volume(r));
-    let id = c.controller.create_volume(create_req.clone()).await.unwrap().into_inner().volume.unwrap().volume_id;
-    assert_eq!(std::fs::read_dir(env.state_dir().join("volumes")).unwrap().count(), 1);
+    let id = c
+        .controller
+        .create_volume(create_req.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    assert_eq!(
+        std::fs::read_dir(env.state_dir().join("volumes"))
+            .unwrap()
+            .count(),
+        1
+    );
 
     // 8 ControllerPublish: one attachment.
     let pr = csi::ControllerPublishVolumeRequest {
@@ -835,7 +975,13 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
         ..Default::default()
     };
     all_at_once!(8, c, pr, |k, r| k.controller.controller_publish_volume(r));
-    let ctx = c.controller.controller_publish_volume(pr.clone()).await.unwrap().into_inner().publish_context;
+    let ctx = c
+        .controller
+        .controller_publish_volume(pr.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
 
     // 8 NodeStage: in the end exactly one loop device and one mount.
     let staging = env.staging_path("node-a", &id);
@@ -850,7 +996,11 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
     eprintln!("NodeStage x8: {ok} OK, {} ABORTED", 8 - ok);
     c.node.node_stage_volume(sr.clone()).await.unwrap();
     assert_eq!(env.loops().len(), 1, "one loop device");
-    assert_eq!(mounts::mounts_at(&staging).unwrap().len(), 1, "one staging mount");
+    assert_eq!(
+        mounts::mounts_at(&staging).unwrap().len(),
+        1,
+        "one staging mount"
+    );
 
     // 8 NodePublish on one target: one mount.
     let target = env.target_path("node-a", "pod", "pv");
@@ -865,7 +1015,11 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
     };
     all_at_once!(8, c, pubr, |k, r| k.node.node_publish_volume(r));
     c.node.node_publish_volume(pubr.clone()).await.unwrap();
-    assert_eq!(mounts::mounts_at(&target).unwrap().len(), 1, "one target mount");
+    assert_eq!(
+        mounts::mounts_at(&target).unwrap().len(),
+        1,
+        "one target mount"
+    );
     assert_eq!(env.mounts().len(), 2);
     std::fs::write(target.join("ok"), b"fine").unwrap();
 
@@ -932,7 +1086,9 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
             volume_capability: Some(cap.clone()),
             ..Default::default()
         };
-        tasks.push(tokio::spawn(async move { k.node.node_stage_volume(req).await }));
+        tasks.push(tokio::spawn(
+            async move { k.node.node_stage_volume(req).await },
+        ));
     }
     for t in tasks {
         t.await.unwrap().unwrap();

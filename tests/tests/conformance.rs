@@ -17,7 +17,9 @@ use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
 use fencecsi_tests::csi::plugin_capability::volume_expansion::Type as Expansion;
 use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType, VolumeSource};
 use fencecsi_tests::csi::volume_usage::Unit;
-use fencecsi_tests::{block_cap, csi, mount_cap, require_root, sha256_file, Access, Env, InProcess};
+use fencecsi_tests::{
+    block_cap, csi, mount_cap, require_root, sha256_file, Access, Env, InProcess,
+};
 use tonic::Code;
 
 const MIB: i64 = 1 << 20;
@@ -250,7 +252,11 @@ fn has_cap_sys_resource() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim().to_string();
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_string();
             u64::from_str_radix(&hex, 16).ok()
         })
         .is_some_and(|caps| caps & (1 << 24) != 0)
@@ -330,12 +336,19 @@ async fn identity_info_capabilities_probe() {
         Code::Unimplemented
     );
     assert_code!(
-        n.controller
-            .create_volume(create_req("x", MIB, &mount_cap(Access::SingleNodeWriter, "ext4"), &[])),
+        n.controller.create_volume(create_req(
+            "x",
+            MIB,
+            &mount_cap(Access::SingleNodeWriter, "ext4"),
+            &[]
+        )),
         Code::Unimplemented
     );
     let (ctl_plugin, mut k) = InProcess::start(env.config(Mode::Controller, None, "ctl")).await;
-    assert_code!(k.node.node_get_info(csi::NodeGetInfoRequest {}), Code::Unimplemented);
+    assert_code!(
+        k.node.node_get_info(csi::NodeGetInfoRequest {}),
+        Code::Unimplemented
+    );
     assert_code!(k.identity.probe(csi::ProbeRequest {}), Code::Ok);
 
     ctl_plugin.stop().await;
@@ -381,7 +394,10 @@ async fn controller_and_node_capabilities_and_node_info() {
         CtlRpc::SingleNodeMultiWriter,
         CtlRpc::UnpublishFence,
     ] {
-        assert!(ctl.contains(&(want as i32)), "controller capability {want:?}");
+        assert!(
+            ctl.contains(&(want as i32)),
+            "controller capability {want:?}"
+        );
     }
     // Not advertised, so not served.
     assert!(!ctl.contains(&(CtlRpc::ModifyVolume as i32)));
@@ -425,7 +441,10 @@ async fn controller_and_node_capabilities_and_node_info() {
     assert_eq!(info.max_volumes_per_node, 64);
     let topo = info.accessible_topology.expect("topology");
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
-    assert_eq!(topo.segments.get(TOPOLOGY_KEY).map(String::as_str), Some(boot_id.trim()));
+    assert_eq!(
+        topo.segments.get(TOPOLOGY_KEY).map(String::as_str),
+        Some(boot_id.trim())
+    );
 
     // A volume is accessible exactly where the node says it is.
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
@@ -476,16 +495,48 @@ async fn create_volume_capacity_ranges() {
     let block = block_cap(Access::SingleNodeWriter);
 
     // (name, cap, params, required, limit, expected capacity or None = only "in range")
-    let cases: Vec<(&str, &csi::VolumeCapability, Vec<(&str, &str)>, i64, i64, Option<i64>)> = vec![
+    type Case<'a> = (
+        &'a str,
+        &'a csi::VolumeCapability,
+        Vec<(&'a str, &'a str)>,
+        i64,
+        i64,
+        Option<i64>,
+    );
+    let cases: Vec<Case> = vec![
         ("tiny-ext4", &ext4, vec![], 1, 0, Some(16 * MIB)), // raised to the ext4 minimum
         ("rounded", &ext4, vec![], 33 * MIB + 1, 0, Some(34 * MIB)), // rounded up to a MiB
         ("exact", &ext4, vec![], 20 * MIB, 20 * MIB, Some(20 * MIB)),
-        ("limit-wins", &ext4, vec![], 20 * MIB + 1, 20 * MIB + 100, Some(20 * MIB + 100)),
+        (
+            "limit-wins",
+            &ext4,
+            vec![],
+            20 * MIB + 1,
+            20 * MIB + 100,
+            Some(20 * MIB + 100),
+        ),
         ("only-limit", &ext4, vec![], 0, 24 * MIB, Some(24 * MIB)),
         ("default", &ext4, vec![], 0, 0, Some(1 << 30)),
-        ("xfs-min", &any, vec![("fsType", "xfs")], 1, 0, Some(300 * MIB)),
+        (
+            "xfs-min",
+            &any,
+            vec![("fsType", "xfs")],
+            1,
+            0,
+            Some(300 * MIB),
+        ),
         ("block-min", &block, vec![], 1, 0, Some(MIB)),
-        ("k8s-params", &ext4, vec![("csi.storage.k8s.io/pvc/name", "data"), ("csi.storage.k8s.io/pvc/namespace", "ns")], 16 * MIB, 0, Some(16 * MIB)),
+        (
+            "k8s-params",
+            &ext4,
+            vec![
+                ("csi.storage.k8s.io/pvc/name", "data"),
+                ("csi.storage.k8s.io/pvc/namespace", "ns"),
+            ],
+            16 * MIB,
+            0,
+            Some(16 * MIB),
+        ),
     ];
     let mut ids = Vec::new();
     for (name, cap, p, req, lim, want) in &cases {
@@ -501,22 +552,28 @@ async fn create_volume_capacity_ranges() {
             .volume
             .unwrap();
         let got = vol.capacity_bytes;
-        assert!(got >= *req && (*lim == 0 || got <= *lim), "{name}: {got} not in [{req}, {lim}]");
+        assert!(
+            got >= *req && (*lim == 0 || got <= *lim),
+            "{name}: {got} not in [{req}, {lim}]"
+        );
         if let Some(w) = want {
             assert_eq!(got, *w, "{name}");
         }
         // The image is exactly that big, and sparse.
         let img = std::fs::metadata(image_path(&env, &vol.volume_id, 1)).unwrap();
         assert_eq!(img.len() as i64, got, "{name}: image size");
-        assert!(img.blocks() * 512 < MIB as u64, "{name}: image must be sparse");
+        assert!(
+            img.blocks() * 512 < MIB as u64,
+            "{name}: image must be sparse"
+        );
         ids.push(vol.volume_id);
     }
     assert_eq!(volume_dirs(&env), cases.len());
 
     // Ranges that cannot be met: OUT_OF_RANGE; malformed ones: INVALID_ARGUMENT. Nothing is created.
     for (req, lim, code) in [
-        (0, MIB, Code::OutOfRange),         // limit below the ext4 minimum
-        (1 << 50, 0, Code::OutOfRange),     // more than the backend holds
+        (0, MIB, Code::OutOfRange),     // limit below the ext4 minimum
+        (1 << 50, 0, Code::OutOfRange), // more than the backend holds
         (-1, 0, Code::InvalidArgument),
         (0, -1, Code::InvalidArgument),
         (20 * MIB, 19 * MIB, Code::InvalidArgument),
@@ -554,7 +611,10 @@ async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
 
     let v1 = create(&mut c, "pvc-idem", 32 * MIB, &cap, &[]).await;
-    assert_eq!(v1.volume_context.get("fsType").map(String::as_str), Some("ext4"));
+    assert_eq!(
+        v1.volume_context.get("fsType").map(String::as_str),
+        Some("ext4")
+    );
     let v2 = create(&mut c, "pvc-idem", 32 * MIB, &cap, &[]).await;
     assert_eq!(v1, v2, "same name and arguments: the same volume");
     // A smaller request that the existing volume satisfies is compatible too.
@@ -576,8 +636,24 @@ async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
                 ..create_req("pvc-idem", 0, &cap, &[])
             },
         ),
-        ("other fs", create_req("pvc-idem", 32 * MIB, &mount_cap(Access::SingleNodeWriter, "xfs"), &[])),
-        ("other fs parameter", create_req("pvc-idem", 32 * MIB, &mount_cap(Access::SingleNodeWriter, ""), &[("fsType", "xfs")])),
+        (
+            "other fs",
+            create_req(
+                "pvc-idem",
+                32 * MIB,
+                &mount_cap(Access::SingleNodeWriter, "xfs"),
+                &[],
+            ),
+        ),
+        (
+            "other fs parameter",
+            create_req(
+                "pvc-idem",
+                32 * MIB,
+                &mount_cap(Access::SingleNodeWriter, ""),
+                &[("fsType", "xfs")],
+            ),
+        ),
         (
             "other source",
             csi::CreateVolumeRequest {
@@ -591,7 +667,8 @@ async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
     }
     // Missing fields.
     assert_code!(
-        c.controller.create_volume(create_req("", 16 * MIB, &cap, &[])),
+        c.controller
+            .create_volume(create_req("", 16 * MIB, &cap, &[])),
         Code::InvalidArgument
     );
     assert_code!(
@@ -651,13 +728,15 @@ async fn delete_volume_is_idempotent_and_refused_while_published() {
         );
     }
     assert_code!(
-        c.controller.delete_volume(csi::DeleteVolumeRequest::default()),
+        c.controller
+            .delete_volume(csi::DeleteVolumeRequest::default()),
         Code::InvalidArgument
     );
     assert_code!(
-        c.controller.controller_get_volume(csi::ControllerGetVolumeRequest {
-            volume_id: id.clone()
-        }),
+        c.controller
+            .controller_get_volume(csi::ControllerGetVolumeRequest {
+                volume_id: id.clone()
+            }),
         Code::NotFound
     );
     plugin.stop().await;
@@ -679,7 +758,10 @@ async fn snapshots_and_clones_carry_the_data() {
     let target = pod_target(&env, "node-a", "pod-src", "pv-src");
 
     // Write v1 of the data, unmount everything so the image is consistent.
-    c.node.node_stage_volume(stage_req(&staging, &sid, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &sid, &cap, &ctx))
+        .await
+        .unwrap();
     c.node
         .node_publish_volume(publish_req(&staging, &target, &sid, &cap, &ctx, false))
         .await
@@ -713,16 +795,27 @@ async fn snapshots_and_clones_carry_the_data() {
         .into_inner()
         .snapshot
         .unwrap();
-    assert_eq!(again.snapshot_id, snap.snapshot_id, "CreateSnapshot is idempotent by name");
+    assert_eq!(
+        again.snapshot_id, snap.snapshot_id,
+        "CreateSnapshot is idempotent by name"
+    );
     let other = create(&mut c, "pvc-other", 16 * MIB, &cap, &[]).await;
     assert_code!(
-        c.controller.create_snapshot(snap_req("snap-1", &other.volume_id)),
+        c.controller
+            .create_snapshot(snap_req("snap-1", &other.volume_id)),
         Code::AlreadyExists
     );
-    assert_code!(c.controller.create_snapshot(snap_req("", &sid)), Code::InvalidArgument);
-    assert_code!(c.controller.create_snapshot(snap_req("snap-x", "")), Code::InvalidArgument);
     assert_code!(
-        c.controller.create_snapshot(snap_req("snap-x", &format!("vol-{}", "0".repeat(32)))),
+        c.controller.create_snapshot(snap_req("", &sid)),
+        Code::InvalidArgument
+    );
+    assert_code!(
+        c.controller.create_snapshot(snap_req("snap-x", "")),
+        Code::InvalidArgument
+    );
+    assert_code!(
+        c.controller
+            .create_snapshot(snap_req("snap-x", &format!("vol-{}", "0".repeat(32)))),
         Code::NotFound
     );
     assert_code!(
@@ -734,7 +827,10 @@ async fn snapshots_and_clones_carry_the_data() {
     );
 
     // Change the source after the snapshot: v2.
-    c.node.node_stage_volume(stage_req(&staging, &sid, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &sid, &cap, &ctx))
+        .await
+        .unwrap();
     c.node
         .node_publish_volume(publish_req(&staging, &target, &sid, &cap, &ctx, false))
         .await
@@ -796,7 +892,11 @@ async fn snapshots_and_clones_carry_the_data() {
             .volume
             .unwrap();
         assert_eq!(vol.capacity_bytes, size);
-        assert_eq!(vol.content_source, from(source), "{name}: content_source echoed");
+        assert_eq!(
+            vol.content_source,
+            from(source),
+            "{name}: content_source echoed"
+        );
         let img = image_path(&env, &vol.volume_id, 1);
         assert_eq!(std::fs::metadata(&img).unwrap().len() as i64, size);
         assert_ne!(
@@ -807,7 +907,10 @@ async fn snapshots_and_clones_carry_the_data() {
         let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
         let staging = env.staging_path("node-a", &id);
         let target = pod_target(&env, "node-a", name, name);
-        c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+        c.node
+            .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+            .await
+            .unwrap();
         c.node
             .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
             .await
@@ -831,10 +934,15 @@ async fn snapshots_and_clones_carry_the_data() {
             .await
             .unwrap();
     }
-    assert!(!env.state_dir().join("snapshots").join(&snap.snapshot_id).exists());
+    assert!(!env
+        .state_dir()
+        .join("snapshots")
+        .join(&snap.snapshot_id)
+        .exists());
     assert!(image_path(&env, &clones[0].0, 1).exists());
     assert_code!(
-        c.controller.delete_snapshot(csi::DeleteSnapshotRequest::default()),
+        c.controller
+            .delete_snapshot(csi::DeleteSnapshotRequest::default()),
         Code::InvalidArgument
     );
     for (id, _, _) in &clones {
@@ -1014,11 +1122,27 @@ async fn controller_publish_unpublish() {
         (req(&id, "", Some(&snw), false), Code::InvalidArgument),
         (req(&id, "node-a", None, false), Code::InvalidArgument),
         (
-            req(&id, "node-a", Some(&mount_cap(Access::MultiNodeMultiWriter, "ext4")), false),
+            req(
+                &id,
+                "node-a",
+                Some(&mount_cap(Access::MultiNodeMultiWriter, "ext4")),
+                false,
+            ),
             Code::InvalidArgument,
         ),
-        (req("fake-vol-id", "node-a", Some(&snw), false), Code::NotFound),
-        (req(&format!("vol-{}", "7".repeat(32)), "node-a", Some(&snw), false), Code::NotFound),
+        (
+            req("fake-vol-id", "node-a", Some(&snw), false),
+            Code::NotFound,
+        ),
+        (
+            req(
+                &format!("vol-{}", "7".repeat(32)),
+                "node-a",
+                Some(&snw),
+                false,
+            ),
+            Code::NotFound,
+        ),
         (req(&id, "node-z", Some(&snw), false), Code::NotFound),
     ] {
         assert_code!(c.controller.controller_publish_volume(r.clone()), code);
@@ -1028,15 +1152,21 @@ async fn controller_publish_unpublish() {
     assert_eq!(ctx.get(CTX_GENERATION).map(String::as_str), Some("1"));
     assert_eq!(ctx.get(CTX_FS_TYPE).map(String::as_str), Some("ext4"));
     assert_eq!(ctx.get(CTX_READONLY).map(String::as_str), Some("false"));
-    assert_eq!(cpublish(&mut c, &id, "node-a", &snw, false).await, ctx, "idempotent");
+    assert_eq!(
+        cpublish(&mut c, &id, "node-a", &snw, false).await,
+        ctx,
+        "idempotent"
+    );
     // Same node, incompatible (read-only now): ALREADY_EXISTS.
     assert_code!(
-        c.controller.controller_publish_volume(req(&id, "node-a", Some(&snw), true)),
+        c.controller
+            .controller_publish_volume(req(&id, "node-a", Some(&snw), true)),
         Code::AlreadyExists
     );
     // Single-node mode, another node: FAILED_PRECONDITION.
     assert_code!(
-        c.controller.controller_publish_volume(req(&id, "node-b", Some(&snw), false)),
+        c.controller
+            .controller_publish_volume(req(&id, "node-b", Some(&snw), false)),
         Code::FailedPrecondition
     );
     let published = |c: &CsiClient, id: String| {
@@ -1054,16 +1184,28 @@ async fn controller_publish_unpublish() {
                 .collect::<BTreeSet<_>>()
         }
     };
-    assert_eq!(published(&c, id.clone()).await, BTreeSet::from(["node-a".to_string()]));
+    assert_eq!(
+        published(&c, id.clone()).await,
+        BTreeSet::from(["node-a".to_string()])
+    );
 
     let unpub = |node: &str| csi::ControllerUnpublishVolumeRequest {
         volume_id: id.clone(),
         node_id: node.into(),
         ..Default::default()
     };
-    assert_code!(c.controller.controller_unpublish_volume(unpub("node-a")), Code::Ok);
-    assert_code!(c.controller.controller_unpublish_volume(unpub("node-a")), Code::Ok);
-    assert_code!(c.controller.controller_unpublish_volume(unpub("node-b")), Code::Ok);
+    assert_code!(
+        c.controller.controller_unpublish_volume(unpub("node-a")),
+        Code::Ok
+    );
+    assert_code!(
+        c.controller.controller_unpublish_volume(unpub("node-a")),
+        Code::Ok
+    );
+    assert_code!(
+        c.controller.controller_unpublish_volume(unpub("node-b")),
+        Code::Ok
+    );
     assert_code!(
         c.controller
             .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest::default()),
@@ -1074,7 +1216,10 @@ async fn controller_publish_unpublish() {
     // Read-only publish.
     let ro = cpublish(&mut c, &id, "node-a", &snw, true).await;
     assert_eq!(ro.get(CTX_READONLY).map(String::as_str), Some("true"));
-    assert_code!(c.controller.controller_unpublish_volume(unpub("node-a")), Code::Ok);
+    assert_code!(
+        c.controller.controller_unpublish_volume(unpub("node-a")),
+        Code::Ok
+    );
 
     // MULTI_NODE_READER_ONLY: two nodes at once, both read-only.
     let mnro = mount_cap(Access::MultiNodeReaderOnly, "ext4");
@@ -1106,7 +1251,10 @@ async fn controller_publish_unpublish() {
         .iter()
         .cloned()
         .collect();
-    assert_eq!(nodes, BTreeSet::from(["node-a".to_string(), "node-b".to_string()]));
+    assert_eq!(
+        nodes,
+        BTreeSet::from(["node-a".to_string(), "node-b".to_string()])
+    );
     // Unpublish without a node: from every node.
     c.controller
         .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
@@ -1142,7 +1290,11 @@ async fn controller_publish_respects_max_volumes_per_node() {
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let mut ids = Vec::new();
     for i in 0..3 {
-        ids.push(create(&mut c, &format!("pvc-max-{i}"), 16 * MIB, &cap, &[]).await.volume_id);
+        ids.push(
+            create(&mut c, &format!("pvc-max-{i}"), 16 * MIB, &cap, &[])
+                .await
+                .volume_id,
+        );
     }
     cpublish(&mut c, &ids[0], "node-a", &cap, false).await;
     cpublish(&mut c, &ids[1], "node-a", &cap, false).await;
@@ -1152,7 +1304,10 @@ async fn controller_publish_respects_max_volumes_per_node() {
         volume_capability: Some(cap.clone()),
         ..Default::default()
     };
-    assert_code!(c.controller.controller_publish_volume(third()), Code::ResourceExhausted);
+    assert_code!(
+        c.controller.controller_publish_volume(third()),
+        Code::ResourceExhausted
+    );
     // Re-publishing an attached volume is idempotent, not a new attachment.
     cpublish(&mut c, &ids[1], "node-a", &cap, false).await;
     c.controller
@@ -1179,18 +1334,25 @@ async fn validate_volume_capabilities() {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let id = create(&mut c, "pvc-val", 16 * MIB, &cap, &[]).await.volume_id;
-    let validate = |caps: Vec<csi::VolumeCapability>, p: &[(&str, &str)]| csi::ValidateVolumeCapabilitiesRequest {
-        volume_id: id.clone(),
-        volume_capabilities: caps,
-        parameters: params(p),
-        ..Default::default()
+    let id = create(&mut c, "pvc-val", 16 * MIB, &cap, &[])
+        .await
+        .volume_id;
+    let validate = |caps: Vec<csi::VolumeCapability>, p: &[(&str, &str)]| {
+        csi::ValidateVolumeCapabilitiesRequest {
+            volume_id: id.clone(),
+            volume_capabilities: caps,
+            parameters: params(p),
+            ..Default::default()
+        }
     };
 
     for ok in [
         vec![cap.clone()],
         vec![mount_cap(Access::SingleNodeWriter, "")],
-        vec![mount_cap(Access::SingleNodeMultiWriter, "ext4"), mount_cap(Access::MultiNodeReaderOnly, "ext4")],
+        vec![
+            mount_cap(Access::SingleNodeMultiWriter, "ext4"),
+            mount_cap(Access::MultiNodeReaderOnly, "ext4"),
+        ],
         vec![block_cap(Access::SingleNodeWriter)],
     ] {
         let r = c
@@ -1199,14 +1361,28 @@ async fn validate_volume_capabilities() {
             .await
             .unwrap()
             .into_inner();
-        let confirmed = r.confirmed.unwrap_or_else(|| panic!("{ok:?}: {}", r.message));
-        assert_eq!(confirmed.volume_capabilities, ok, "confirmed echoes the capabilities");
+        let confirmed = r
+            .confirmed
+            .unwrap_or_else(|| panic!("{ok:?}: {}", r.message));
+        assert_eq!(
+            confirmed.volume_capabilities, ok,
+            "confirmed echoes the capabilities"
+        );
         assert_eq!(confirmed.parameters, params(&[("fsType", "ext4")]));
     }
     for (bad, p) in [
-        (vec![mount_cap(Access::MultiNodeMultiWriter, "ext4")], vec![]),
-        (vec![mount_cap(Access::MultiNodeSingleWriter, "ext4")], vec![]),
-        (vec![cap.clone(), mount_cap(Access::MultiNodeMultiWriter, "ext4")], vec![]),
+        (
+            vec![mount_cap(Access::MultiNodeMultiWriter, "ext4")],
+            vec![],
+        ),
+        (
+            vec![mount_cap(Access::MultiNodeSingleWriter, "ext4")],
+            vec![],
+        ),
+        (
+            vec![cap.clone(), mount_cap(Access::MultiNodeMultiWriter, "ext4")],
+            vec![],
+        ),
         (vec![mount_cap(Access::SingleNodeWriter, "xfs")], vec![]),
         (vec![cap.clone()], vec![("color", "blue")]),
     ] {
@@ -1220,23 +1396,26 @@ async fn validate_volume_capabilities() {
         assert!(!r.message.is_empty(), "{bad:?}: a message says why");
     }
     assert_code!(
-        c.controller.validate_volume_capabilities(validate(vec![], &[])),
+        c.controller
+            .validate_volume_capabilities(validate(vec![], &[])),
         Code::InvalidArgument
     );
     assert_code!(
-        c.controller.validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        }),
+        c.controller
+            .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+                volume_capabilities: vec![cap.clone()],
+                ..Default::default()
+            }),
         Code::InvalidArgument
     );
     for unknown in ["fake-vol-id", &format!("vol-{}", "5".repeat(32))] {
         assert_code!(
-            c.controller.validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
-                volume_id: unknown.to_string(),
-                volume_capabilities: vec![cap.clone()],
-                ..Default::default()
-            }),
+            c.controller
+                .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+                    volume_id: unknown.to_string(),
+                    volume_capabilities: vec![cap.clone()],
+                    ..Default::default()
+                }),
             Code::NotFound
         );
     }
@@ -1253,7 +1432,11 @@ async fn list_volumes_pages_and_reports_nodes() {
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let mut ids = BTreeSet::new();
     for i in 0..5 {
-        ids.insert(create(&mut c, &format!("pvc-list-{i}"), 16 * MIB, &cap, &[]).await.volume_id);
+        ids.insert(
+            create(&mut c, &format!("pvc-list-{i}"), 16 * MIB, &cap, &[])
+                .await
+                .volume_id,
+        );
     }
     let published = ids.iter().next().unwrap().clone();
     cpublish(&mut c, &published, "node-a", &cap, false).await;
@@ -1278,7 +1461,10 @@ async fn list_volumes_pages_and_reports_nodes() {
         sizes.push(p.entries.len());
         for e in &p.entries {
             let v = e.volume.as_ref().unwrap();
-            let st = e.status.as_ref().expect("status (LIST_VOLUMES_PUBLISHED_NODES)");
+            let st = e
+                .status
+                .as_ref()
+                .expect("status (LIST_VOLUMES_PUBLISHED_NODES)");
             if v.volume_id == published {
                 assert_eq!(st.published_node_ids, vec!["node-a".to_string()]);
             } else {
@@ -1304,11 +1490,21 @@ async fn list_volumes_pages_and_reports_nodes() {
     unpublish_and_delete(&mut c, &last_of_page).await;
     ids.remove(&last_of_page);
     let rest = page(&c, 0, first.next_token.clone()).await.unwrap();
-    assert_eq!(rest.entries.len(), 3, "the remaining volumes after the token");
+    assert_eq!(
+        rest.entries.len(),
+        3,
+        "the remaining volumes after the token"
+    );
     assert!(rest.next_token.is_empty());
 
-    assert_eq!(page(&c, 0, "bogus".into()).await.unwrap_err().code(), Code::Aborted);
-    assert_eq!(page(&c, -1, String::new()).await.unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(
+        page(&c, 0, "bogus".into()).await.unwrap_err().code(),
+        Code::Aborted
+    );
+    assert_eq!(
+        page(&c, -1, String::new()).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
     assert_eq!(page(&c, 0, String::new()).await.unwrap().entries.len(), 4);
 
     for id in &ids {
@@ -1332,11 +1528,24 @@ async fn get_capacity() {
     let backend_total = st.blocks() as i64 * st.fragment_size() as i64;
     for (caps, p, min) in [
         (vec![], vec![], 16 * MIB),
-        (vec![mount_cap(Access::SingleNodeWriter, "ext4")], vec![], 16 * MIB),
-        (vec![mount_cap(Access::SingleNodeWriter, "")], vec![("fsType", "xfs")], 300 * MIB),
+        (
+            vec![mount_cap(Access::SingleNodeWriter, "ext4")],
+            vec![],
+            16 * MIB,
+        ),
+        (
+            vec![mount_cap(Access::SingleNodeWriter, "")],
+            vec![("fsType", "xfs")],
+            300 * MIB,
+        ),
         (vec![block_cap(Access::SingleNodeWriter)], vec![], MIB),
     ] {
-        let r = c.controller.get_capacity(get(caps, &p)).await.unwrap().into_inner();
+        let r = c
+            .controller
+            .get_capacity(get(caps, &p))
+            .await
+            .unwrap()
+            .into_inner();
         assert!(r.available_capacity > 0 && r.available_capacity <= backend_total);
         assert_eq!(r.maximum_volume_size, Some(backend_total));
         assert_eq!(r.minimum_volume_size, Some(min));
@@ -1344,13 +1553,23 @@ async fn get_capacity() {
     // Nothing can be provisioned with an unsupported capability.
     let r = c
         .controller
-        .get_capacity(get(vec![mount_cap(Access::MultiNodeMultiWriter, "ext4")], &[]))
+        .get_capacity(get(
+            vec![mount_cap(Access::MultiNodeMultiWriter, "ext4")],
+            &[],
+        ))
         .await
         .unwrap()
         .into_inner();
     assert_eq!(r.available_capacity, 0);
-    assert_code!(c.controller.get_capacity(get(vec![], &[("fsType", "ntfs")])), Code::InvalidArgument);
-    assert_code!(c.controller.get_capacity(get(vec![], &[("tier", "gold")])), Code::InvalidArgument);
+    assert_code!(
+        c.controller
+            .get_capacity(get(vec![], &[("fsType", "ntfs")])),
+        Code::InvalidArgument
+    );
+    assert_code!(
+        c.controller.get_capacity(get(vec![], &[("tier", "gold")])),
+        Code::InvalidArgument
+    );
     plugin.stop().await;
     env.assert_clean();
 }
@@ -1382,26 +1601,48 @@ async fn controller_get_volume_reports_status_and_condition() {
 
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
-    c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
     let (dev, _) = only_loop(&env);
     let st = get(&c, &id).await.unwrap().status.unwrap();
     assert_eq!(st.published_node_ids, vec!["node-a".to_string()]);
     let cond = st.volume_condition.unwrap();
     assert!(!cond.abnormal, "{}", cond.message);
-    assert!(cond.message.contains(&*dev.to_string_lossy()), "condition names the holder: {}", cond.message);
+    assert!(
+        cond.message.contains(&*dev.to_string_lossy()),
+        "condition names the holder: {}",
+        cond.message
+    );
 
     // The data going missing is abnormal.
     node_unstage(&mut c, &id, &staging).await;
     let img = image_path(&env, &id, 1);
     let aside = img.with_extension("aside");
     std::fs::rename(&img, &aside).unwrap();
-    let cond = get(&c, &id).await.unwrap().status.unwrap().volume_condition.unwrap();
+    let cond = get(&c, &id)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .volume_condition
+        .unwrap();
     assert!(cond.abnormal, "missing data must be abnormal");
     std::fs::rename(&aside, &img).unwrap();
 
     assert_eq!(get(&c, "").await.unwrap_err().code(), Code::InvalidArgument);
-    assert_eq!(get(&c, "fake-vol-id").await.unwrap_err().code(), Code::NotFound);
-    assert_eq!(get(&c, &format!("vol-{}", "3".repeat(32))).await.unwrap_err().code(), Code::NotFound);
+    assert_eq!(
+        get(&c, "fake-vol-id").await.unwrap_err().code(),
+        Code::NotFound
+    );
+    assert_eq!(
+        get(&c, &format!("vol-{}", "3".repeat(32)))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
     unpublish_and_delete(&mut c, &id).await;
     plugin.stop().await;
     env.assert_clean();
@@ -1413,11 +1654,16 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
     let cap = mount_cap(Access::SingleNodeWriter, fs);
-    let id = create(&mut c, &format!("pvc-grow-{fs}"), from, &cap, &[]).await.volume_id;
+    let id = create(&mut c, &format!("pvc-grow-{fs}"), from, &cap, &[])
+        .await
+        .volume_id;
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
     let target = pod_target(&env, "node-a", "pod-grow", "pv-grow");
-    c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
     c.node
         .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
         .await
@@ -1439,7 +1685,10 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         .into_inner();
     assert_eq!(r.capacity_bytes, to);
     assert!(r.node_expansion_required);
-    assert_eq!(std::fs::metadata(image_path(&env, &id, 1)).unwrap().len() as i64, to);
+    assert_eq!(
+        std::fs::metadata(image_path(&env, &id, 1)).unwrap().len() as i64,
+        to
+    );
     // Idempotent, and never shrinks.
     let again = c
         .controller
@@ -1455,10 +1704,25 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         .unwrap()
         .into_inner();
     assert_eq!(smaller.capacity_bytes, to);
-    assert_code!(c.controller.controller_expand_volume(cexp(&id, range(0, from))), Code::OutOfRange);
-    assert_code!(c.controller.controller_expand_volume(cexp(&id, None)), Code::InvalidArgument);
-    assert_code!(c.controller.controller_expand_volume(cexp("", range(to, 0))), Code::InvalidArgument);
-    assert_code!(c.controller.controller_expand_volume(cexp("fake-vol-id", range(to, 0))), Code::NotFound);
+    assert_code!(
+        c.controller
+            .controller_expand_volume(cexp(&id, range(0, from))),
+        Code::OutOfRange
+    );
+    assert_code!(
+        c.controller.controller_expand_volume(cexp(&id, None)),
+        Code::InvalidArgument
+    );
+    assert_code!(
+        c.controller
+            .controller_expand_volume(cexp("", range(to, 0))),
+        Code::InvalidArgument
+    );
+    assert_code!(
+        c.controller
+            .controller_expand_volume(cexp("fake-vol-id", range(to, 0))),
+        Code::NotFound
+    );
 
     let nexp = |id: &str, path: &Path| csi::NodeExpandVolumeRequest {
         volume_id: id.into(),
@@ -1469,17 +1733,28 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         ..Default::default()
     };
     if fs == "xfs" || has_cap_sys_resource() {
-        let r = c.node.node_expand_volume(nexp(&id, &target)).await.unwrap().into_inner();
+        let r = c
+            .node
+            .node_expand_volume(nexp(&id, &target))
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(r.capacity_bytes, to);
     } else {
         // ext4 online resize needs CAP_SYS_RESOURCE: without it the answer
         // is FAILED_PRECONDITION with nothing changed, and the filesystem
         // grows offline at the next stage.
-        assert_code!(c.node.node_expand_volume(nexp(&id, &target)), Code::FailedPrecondition);
+        assert_code!(
+            c.node.node_expand_volume(nexp(&id, &target)),
+            Code::FailedPrecondition
+        );
         assert_eq!(statvfs_total(&target), before);
         node_unpublish(&mut c, &id, &target).await;
         node_unstage(&mut c, &id, &staging).await;
-        c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+        c.node
+            .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+            .await
+            .unwrap();
         c.node
             .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
             .await
@@ -1498,7 +1773,11 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         .await
         .unwrap()
         .into_inner();
-    let bytes = stats.usage.iter().find(|u| u.unit == Unit::Bytes as i32).unwrap();
+    let bytes = stats
+        .usage
+        .iter()
+        .find(|u| u.unit == Unit::Bytes as i32)
+        .unwrap();
     assert_eq!(bytes.total as u64, after);
     assert_eq!(sha256_file(&target.join("keep.bin")), sum, "data kept");
     // Idempotent on the node too.
@@ -1506,7 +1785,8 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
     assert_eq!(statvfs_total(&target), after);
 
     assert_code!(
-        c.node.node_expand_volume(nexp(&id, &target.with_file_name("missing"))),
+        c.node
+            .node_expand_volume(nexp(&id, &target.with_file_name("missing"))),
         Code::NotFound
     );
     assert_code!(
@@ -1516,7 +1796,10 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         }),
         Code::InvalidArgument
     );
-    assert_code!(c.node.node_expand_volume(nexp("fake-vol-id", &target)), Code::NotFound);
+    assert_code!(
+        c.node.node_expand_volume(nexp("fake-vol-id", &target)),
+        Code::NotFound
+    );
 
     node_unpublish(&mut c, &id, &target).await;
     node_unstage(&mut c, &id, &staging).await;
@@ -1544,8 +1827,18 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
     let (plugin, mut c) = start_all(&env).await;
     // The StorageClass parameter chooses the filesystem; the capability leaves it open.
     let cap = mount_cap(Access::SingleNodeWriter, "");
-    let vol = create(&mut c, &format!("pvc-fs-{fs}"), size, &cap, &[("fsType", fs)]).await;
-    assert_eq!(vol.volume_context.get("fsType").map(String::as_str), Some(fs));
+    let vol = create(
+        &mut c,
+        &format!("pvc-fs-{fs}"),
+        size,
+        &cap,
+        &[("fsType", fs)],
+    )
+    .await;
+    assert_eq!(
+        vol.volume_context.get("fsType").map(String::as_str),
+        Some(fs)
+    );
     let id = vol.volume_id.clone();
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     assert_eq!(ctx.get(CTX_FS_TYPE).map(String::as_str), Some(fs));
@@ -1554,13 +1847,17 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
     // Publishing before staging: FAILED_PRECONDITION, nothing mounted.
     let t1 = pod_target(&env, "node-a", "pod-1", "pv");
     assert_code!(
-        c.node.node_publish_volume(publish_req(&staging, &t1, &id, &cap, &ctx, false)),
+        c.node
+            .node_publish_volume(publish_req(&staging, &t1, &id, &cap, &ctx, false)),
         Code::FailedPrecondition
     );
     assert!(env.mounts().is_empty());
 
     for _ in 0..2 {
-        c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+        c.node
+            .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+            .await
+            .unwrap();
         let (dev, backing) = only_loop(&env);
         assert_eq!(backing, image_path(&env, &id, 1));
         let m = mounts::mounts_at(&staging).unwrap();
@@ -1600,9 +1897,20 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
             .unwrap()
             .into_inner();
         let st = nix::sys::statvfs::statvfs(path.as_path()).unwrap();
-        let bytes = r.usage.iter().find(|u| u.unit == Unit::Bytes as i32).expect("bytes");
-        let inodes = r.usage.iter().find(|u| u.unit == Unit::Inodes as i32).expect("inodes");
-        assert_eq!(bytes.total as u64, st.blocks() as u64 * st.fragment_size() as u64);
+        let bytes = r
+            .usage
+            .iter()
+            .find(|u| u.unit == Unit::Bytes as i32)
+            .expect("bytes");
+        let inodes = r
+            .usage
+            .iter()
+            .find(|u| u.unit == Unit::Inodes as i32)
+            .expect("inodes");
+        assert_eq!(
+            bytes.total as u64,
+            st.blocks() as u64 * st.fragment_size() as u64
+        );
         assert!(bytes.used > 0 && bytes.available > 0 && bytes.used <= bytes.total);
         assert_eq!(inodes.total as u64, st.files() as u64);
         assert!(inodes.used >= 1 && inodes.used <= inodes.total);
@@ -1615,11 +1923,26 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
         staging_target_path: String::new(),
     };
     let missing = env.kubelet_dir("node-a").join("pods/nope/volumes/x/mount");
-    assert_code!(c.node.node_get_volume_stats(stats(&id, &s(&missing))), Code::NotFound);
-    assert_code!(c.node.node_get_volume_stats(stats(&id, "some/path")), Code::NotFound);
-    assert_code!(c.node.node_get_volume_stats(stats("fake-vol-id", &s(&t1))), Code::NotFound);
-    assert_code!(c.node.node_get_volume_stats(stats(&id, "")), Code::InvalidArgument);
-    assert_code!(c.node.node_get_volume_stats(stats("", &s(&t1))), Code::InvalidArgument);
+    assert_code!(
+        c.node.node_get_volume_stats(stats(&id, &s(&missing))),
+        Code::NotFound
+    );
+    assert_code!(
+        c.node.node_get_volume_stats(stats(&id, "some/path")),
+        Code::NotFound
+    );
+    assert_code!(
+        c.node.node_get_volume_stats(stats("fake-vol-id", &s(&t1))),
+        Code::NotFound
+    );
+    assert_code!(
+        c.node.node_get_volume_stats(stats(&id, "")),
+        Code::InvalidArgument
+    );
+    assert_code!(
+        c.node.node_get_volume_stats(stats("", &s(&t1))),
+        Code::InvalidArgument
+    );
 
     // Unpublish removes the target; idempotent; staging stays.
     for t in [&t1, &t2] {
@@ -1656,10 +1979,15 @@ async fn read_only_publish_refuses_writes() {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let id = create(&mut c, "pvc-ro", 32 * MIB, &cap, &[]).await.volume_id;
+    let id = create(&mut c, "pvc-ro", 32 * MIB, &cap, &[])
+        .await
+        .volume_id;
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
-    c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
     let rw = pod_target(&env, "node-a", "pod-rw", "pv");
     let ro = pod_target(&env, "node-a", "pod-ro", "pv");
     c.node
@@ -1678,12 +2006,16 @@ async fn read_only_publish_refuses_writes() {
     assert!(mounts::mounts_at(&ro).unwrap()[0].read_only);
     let err = std::fs::write(ro.join("new"), b"x").unwrap_err();
     assert_eq!(errno_of(&err), Some(libc::EROFS), "{err}");
-    let err = std::fs::OpenOptions::new().write(true).open(ro.join("file")).unwrap_err();
+    let err = std::fs::OpenOptions::new()
+        .write(true)
+        .open(ro.join("file"))
+        .unwrap_err();
     assert_eq!(errno_of(&err), Some(libc::EROFS));
     assert_eq!(sha256_file(&ro.join("file")), sum, "reads work");
     // The same target read-write now is incompatible.
     assert_code!(
-        c.node.node_publish_volume(publish_req(&staging, &ro, &id, &cap, &ctx, false)),
+        c.node
+            .node_publish_volume(publish_req(&staging, &ro, &id, &cap, &ctx, false)),
         Code::AlreadyExists
     );
     std::fs::write(rw.join("still-writable"), b"y").unwrap();
@@ -1702,7 +2034,10 @@ async fn read_only_publish_refuses_writes() {
         .await
         .unwrap();
     let ctx = cpublish(&mut c, &id, "node-a", &cap, true).await;
-    c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
     let (dev, _) = only_loop(&env);
     assert!(fencecsi_driver::loopdev::status(&dev).unwrap().read_only);
     assert!(mounts::mounts_at(&staging).unwrap()[0].read_only);
@@ -1710,7 +2045,10 @@ async fn read_only_publish_refuses_writes() {
         .node_publish_volume(publish_req(&staging, &ro, &id, &cap, &ctx, false))
         .await
         .unwrap();
-    assert!(mounts::mounts_at(&ro).unwrap()[0].read_only, "publish_context readonly wins");
+    assert!(
+        mounts::mounts_at(&ro).unwrap()[0].read_only,
+        "publish_context readonly wins"
+    );
     let err = std::fs::write(ro.join("new"), b"x").unwrap_err();
     assert_eq!(errno_of(&err), Some(libc::EROFS));
     assert_eq!(sha256_file(&ro.join("file")), sum);
@@ -1726,7 +2064,9 @@ async fn read_only_publish_refuses_writes() {
 const PATTERN_OFF: u64 = 4 << 20;
 
 fn pattern() -> Vec<u8> {
-    (0..(1u32 << 20)).map(|i| (i.wrapping_mul(13) ^ (i >> 9)) as u8).collect()
+    (0..(1u32 << 20))
+        .map(|i| (i.wrapping_mul(13) ^ (i >> 9)) as u8)
+        .collect()
 }
 
 /// Reads `len` bytes at `off` with O_DIRECT (bypassing the page cache).
@@ -1754,7 +2094,9 @@ async fn raw_block_volume_round_trip() {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
     let cap = block_cap(Access::SingleNodeWriter);
-    let id = create(&mut c, "pvc-block", 32 * MIB, &cap, &[]).await.volume_id;
+    let id = create(&mut c, "pvc-block", 32 * MIB, &cap, &[])
+        .await
+        .volume_id;
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
     let target = block_target(&env, "node-a", "pv-block", "pod-1");
@@ -1762,7 +2104,10 @@ async fn raw_block_volume_round_trip() {
 
     for round in 0..2 {
         for _ in 0..2 {
-            c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+            c.node
+                .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+                .await
+                .unwrap();
         }
         let (dev, backing) = only_loop(&env);
         assert_eq!(backing, image_path(&env, &id, 1));
@@ -1773,10 +2118,16 @@ async fn raw_block_volume_round_trip() {
                 .unwrap_or_else(|e| panic!("round {round}: NodePublish (block): {e}"));
         }
         let meta = std::fs::metadata(&target).unwrap();
-        assert!(meta.file_type().is_block_device(), "the target is a block device node");
+        assert!(
+            meta.file_type().is_block_device(),
+            "the target is a block device node"
+        );
         assert_eq!(rdev(&target), rdev(&dev));
         assert_eq!(mounts::mounts_at(&target).unwrap().len(), 1);
-        assert_eq!(fencecsi_driver::fsutil::block_device_size(&target).unwrap() as i64, 32 * MIB);
+        assert_eq!(
+            fencecsi_driver::fsutil::block_device_size(&target).unwrap() as i64,
+            32 * MIB
+        );
         let r = c
             .node
             .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
@@ -1791,11 +2142,17 @@ async fn raw_block_volume_round_trip() {
         assert_eq!(r.usage[0].total, 32 * MIB);
 
         if round == 0 {
-            let f = std::fs::OpenOptions::new().write(true).open(&target).unwrap();
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&target)
+                .unwrap();
             f.write_all_at(&data, PATTERN_OFF).unwrap();
             f.sync_all().unwrap();
         }
-        assert!(read_direct(&target, PATTERN_OFF, data.len()) == data, "round {round}: pattern reads back");
+        assert!(
+            read_direct(&target, PATTERN_OFF, data.len()) == data,
+            "round {round}: pattern reads back"
+        );
         if round == 1 {
             // Unstaging while a pod still has the device: refused, and the
             // loop device stays bound under the pod's target.
@@ -1831,10 +2188,15 @@ async fn raw_block_read_only_publish_refuses_writes() {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
     let cap = block_cap(Access::SingleNodeWriter);
-    let id = create(&mut c, "pvc-block-ro", 16 * MIB, &cap, &[]).await.volume_id;
+    let id = create(&mut c, "pvc-block-ro", 16 * MIB, &cap, &[])
+        .await
+        .volume_id;
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
-    c.node.node_stage_volume(stage_req(&staging, &id, &cap, &ctx)).await.unwrap();
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
     let rw = block_target(&env, "node-a", "pv", "pod-rw");
     let ro = block_target(&env, "node-a", "pv", "pod-ro");
     c.node
@@ -1852,7 +2214,10 @@ async fn raw_block_read_only_publish_refuses_writes() {
             .await
             .unwrap();
     }
-    assert!(std::fs::metadata(&ro).unwrap().file_type().is_block_device());
+    assert!(std::fs::metadata(&ro)
+        .unwrap()
+        .file_type()
+        .is_block_device());
     // No write may get through the read-only target: refused at open or at write.
     let refused = match std::fs::OpenOptions::new().write(true).open(&ro) {
         Err(e) => Some(e),
@@ -1863,11 +2228,20 @@ async fn raw_block_read_only_publish_refuses_writes() {
     };
     let err = refused.expect("a write through a read-only block target must fail");
     assert!(
-        matches!(errno_of(&err), Some(libc::EROFS | libc::EPERM | libc::EACCES)),
+        matches!(
+            errno_of(&err),
+            Some(libc::EROFS | libc::EPERM | libc::EACCES)
+        ),
         "{err}"
     );
-    assert!(read_direct(&ro, PATTERN_OFF, data.len()) == data, "reads work");
-    assert!(read_direct(&rw, 0, 4096).iter().all(|&b| b == 0), "nothing was written");
+    assert!(
+        read_direct(&ro, PATTERN_OFF, data.len()) == data,
+        "reads work"
+    );
+    assert!(
+        read_direct(&rw, 0, 4096).iter().all(|&b| b == 0),
+        "nothing was written"
+    );
     node_unpublish(&mut c, &id, &ro).await;
     node_unpublish(&mut c, &id, &rw).await;
     node_unstage(&mut c, &id, &staging).await;
@@ -1887,7 +2261,9 @@ async fn node_error_codes() {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let id = create(&mut c, "pvc-errors", 16 * MIB, &cap, &[]).await.volume_id;
+    let id = create(&mut c, "pvc-errors", 16 * MIB, &cap, &[])
+        .await
+        .volume_id;
     let fake = "fake-vol-id-0001".to_string();
     let ours_unknown = format!("vol-{}", "e".repeat(32));
     let staging = env.staging_path("node-a", &id);
@@ -1895,11 +2271,13 @@ async fn node_error_codes() {
 
     use Code::*;
     // NodeStage
-    let stage = |vol: &str, staging: &str, cap: Option<&csi::VolumeCapability>| csi::NodeStageVolumeRequest {
-        volume_id: vol.into(),
-        staging_target_path: staging.into(),
-        volume_capability: cap.cloned(),
-        ..Default::default()
+    let stage = |vol: &str, staging: &str, cap: Option<&csi::VolumeCapability>| {
+        csi::NodeStageVolumeRequest {
+            volume_id: vol.into(),
+            staging_target_path: staging.into(),
+            volume_capability: cap.cloned(),
+            ..Default::default()
+        }
     };
     for (r, code) in [
         (stage("", &s(&staging), Some(&cap)), InvalidArgument),
@@ -1914,12 +2292,14 @@ async fn node_error_codes() {
         assert_code!(c.node.node_stage_volume(r.clone()), code);
     }
     // NodePublish
-    let publish = |vol: &str, target: &str, cap: Option<&csi::VolumeCapability>| csi::NodePublishVolumeRequest {
-        volume_id: vol.into(),
-        target_path: target.into(),
-        staging_target_path: s(&staging),
-        volume_capability: cap.cloned(),
-        ..Default::default()
+    let publish = |vol: &str, target: &str, cap: Option<&csi::VolumeCapability>| {
+        csi::NodePublishVolumeRequest {
+            volume_id: vol.into(),
+            target_path: target.into(),
+            staging_target_path: s(&staging),
+            volume_capability: cap.cloned(),
+            ..Default::default()
+        }
     };
     for (r, code) in [
         (publish("", &s(&target), Some(&cap)), InvalidArgument),

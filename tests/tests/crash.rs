@@ -13,7 +13,10 @@ use fencecsi_driver::config::Mode;
 use fencecsi_driver::failpoint;
 use fencecsi_driver::mounts;
 use fencecsi_proto::client::CsiClient;
-use fencecsi_tests::{block_cap, csi, mount_cap, require_root, sha256_file, wait_for_socket, Access, Env, InProcess, Process};
+use fencecsi_tests::{
+    block_cap, csi, mount_cap, require_root, sha256_file, wait_for_socket, Access, Env, InProcess,
+    Process,
+};
 
 const MIB: i64 = 1 << 20;
 
@@ -181,7 +184,12 @@ impl Scenario {
     }
 
     fn assert_staged_once(&self, what: &str) {
-        assert_eq!(self.env.loops().len(), 1, "{what}: exactly one loop device: {:?}", self.env.loops());
+        assert_eq!(
+            self.env.loops().len(),
+            1,
+            "{what}: exactly one loop device: {:?}",
+            self.env.loops()
+        );
         assert_eq!(
             mounts::mounts_at(&self.staged_mount()).unwrap().len(),
             1,
@@ -193,7 +201,11 @@ impl Scenario {
     fn exercise(&self, what: &str) {
         if self.block {
             use std::os::unix::fs::FileExt;
-            let f = std::fs::OpenOptions::new().read(true).write(true).open(&self.target).unwrap();
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&self.target)
+                .unwrap();
             f.write_all_at(b"fencecsi crash test", 1 << 20).unwrap();
             f.sync_all().unwrap();
             let mut back = [0u8; 19];
@@ -207,8 +219,14 @@ impl Scenario {
     }
 
     async fn finish(self, mut node: CsiClient, proc_: Process) {
-        node.node.node_unpublish_volume(self.unpublish_req()).await.unwrap();
-        node.node.node_unstage_volume(self.unstage_req()).await.unwrap();
+        node.node
+            .node_unpublish_volume(self.unpublish_req())
+            .await
+            .unwrap();
+        node.node
+            .node_unstage_volume(self.unstage_req())
+            .await
+            .unwrap();
         self.env.assert_clean();
         drop(proc_);
         let mut ctl = self.ctl.clone();
@@ -235,7 +253,11 @@ impl Scenario {
 /// Waits for a plugin that hit its failpoint; checks that it aborted.
 fn assert_aborted(mut p: Process, fp: &str) {
     let status = p.child.wait().unwrap();
-    assert_eq!(status.signal(), Some(libc::SIGABRT), "{fp}: the plugin must have crashed at the failpoint ({status})");
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGABRT),
+        "{fp}: the plugin must have crashed at the failpoint ({status})"
+    );
 }
 
 /// Crash at `fp` during `step`, restart, retry, check, tear down.
@@ -248,28 +270,54 @@ async fn crash_once(fp: &str, step: Step, block: bool, readonly: bool) {
         n.node.node_stage_volume(sc.stage_req()).await.unwrap();
     }
     if step == Step::Unstage {
-        n.node.node_publish_volume(sc.publish_req(readonly)).await.unwrap();
-        n.node.node_unpublish_volume(sc.unpublish_req()).await.unwrap();
+        n.node
+            .node_publish_volume(sc.publish_req(readonly))
+            .await
+            .unwrap();
+        n.node
+            .node_unpublish_volume(sc.unpublish_req())
+            .await
+            .unwrap();
     }
     let err = match step {
         Step::Stage => n.node.node_stage_volume(sc.stage_req()).await.map(|_| ()),
-        Step::Publish => n.node.node_publish_volume(sc.publish_req(readonly)).await.map(|_| ()),
-        Step::Unstage => n.node.node_unstage_volume(sc.unstage_req()).await.map(|_| ()),
+        Step::Publish => n
+            .node
+            .node_publish_volume(sc.publish_req(readonly))
+            .await
+            .map(|_| ()),
+        Step::Unstage => n
+            .node
+            .node_unstage_volume(sc.unstage_req())
+            .await
+            .map(|_| ()),
     }
     .expect_err("the call must die with the plugin");
-    eprintln!("{what}: the call failed with {:?} as the plugin died", err.code());
+    eprintln!(
+        "{what}: the call failed with {:?} as the plugin died",
+        err.code()
+    );
     assert_aborted(crashing, fp);
-    assert!(sc.env.socket("node").exists(), "a crash leaves the socket behind");
+    assert!(
+        sc.env.socket("node").exists(),
+        "a crash leaves the socket behind"
+    );
 
     // Restart without the failpoint and retry, as the CO does.
     let (plugin, mut n) = sc.node("").await;
     match step {
         Step::Stage => {
-            n.node.node_stage_volume(sc.stage_req()).await.unwrap_or_else(|e| panic!("{what}: retry: {e}"));
+            n.node
+                .node_stage_volume(sc.stage_req())
+                .await
+                .unwrap_or_else(|e| panic!("{what}: retry: {e}"));
             sc.assert_staged_once(&what);
             n.node.node_stage_volume(sc.stage_req()).await.unwrap();
             sc.assert_staged_once(&what);
-            n.node.node_publish_volume(sc.publish_req(readonly)).await.unwrap();
+            n.node
+                .node_publish_volume(sc.publish_req(readonly))
+                .await
+                .unwrap();
         }
         Step::Publish => {
             n.node
@@ -289,22 +337,35 @@ async fn crash_once(fp: &str, step: Step, block: bool, readonly: bool) {
             }
         }
         Step::Unstage => {
-            n.node.node_unstage_volume(sc.unstage_req()).await.unwrap_or_else(|e| panic!("{what}: retry: {e}"));
+            n.node
+                .node_unstage_volume(sc.unstage_req())
+                .await
+                .unwrap_or_else(|e| panic!("{what}: retry: {e}"));
             sc.env.assert_clean();
             assert!(!sc.staging.exists(), "{what}: staging dir removed");
             // And the volume stages again from scratch.
             n.node.node_stage_volume(sc.stage_req()).await.unwrap();
             sc.assert_staged_once(&what);
-            n.node.node_publish_volume(sc.publish_req(readonly)).await.unwrap();
+            n.node
+                .node_publish_volume(sc.publish_req(readonly))
+                .await
+                .unwrap();
         }
     }
     if readonly {
-        let probe = if block { sc.target.clone() } else { sc.target.join("x") };
+        let probe = if block {
+            sc.target.clone()
+        } else {
+            sc.target.join("x")
+        };
         let refused = if block {
             use std::os::unix::fs::FileExt;
             match std::fs::OpenOptions::new().write(true).open(&probe) {
                 Err(_) => true,
-                Ok(f) => f.write_all_at(&[1; 4096], 0).and_then(|_| f.sync_all()).is_err(),
+                Ok(f) => f
+                    .write_all_at(&[1; 4096], 0)
+                    .and_then(|_| f.sync_all())
+                    .is_err(),
             }
         } else {
             std::fs::write(&probe, b"x").is_err()
@@ -353,16 +414,30 @@ crash_tests! {
 async fn stage_survives_a_crash_at_every_step_in_turn() {
     require_root!();
     let sc = Scenario::new(false).await;
-    for fp in ["stage:after-attach", "stage:after-mkfs", "stage:after-mkdir", "stage:after-mount"] {
+    for fp in [
+        "stage:after-attach",
+        "stage:after-mkfs",
+        "stage:after-mkdir",
+        "stage:after-mount",
+    ] {
         let (crashing, mut n) = sc.node(fp).await;
-        n.node.node_stage_volume(sc.stage_req()).await.expect_err(fp);
+        n.node
+            .node_stage_volume(sc.stage_req())
+            .await
+            .expect_err(fp);
         assert_aborted(crashing, fp);
-        assert!(sc.env.loops().len() <= 1, "{fp}: never a second loop device");
+        assert!(
+            sc.env.loops().len() <= 1,
+            "{fp}: never a second loop device"
+        );
     }
     let (plugin, mut n) = sc.node("").await;
     n.node.node_stage_volume(sc.stage_req()).await.unwrap();
     sc.assert_staged_once("after four crashes");
-    n.node.node_publish_volume(sc.publish_req(false)).await.unwrap();
+    n.node
+        .node_publish_volume(sc.publish_req(false))
+        .await
+        .unwrap();
     sc.exercise("after four crashes");
     sc.finish(n, plugin).await;
 }
@@ -376,7 +451,10 @@ async fn sigterm_removes_the_socket_and_keeps_volumes_mounted() {
     let sc = Scenario::new(false).await;
     let (mut p, mut n) = sc.node("").await;
     n.node.node_stage_volume(sc.stage_req()).await.unwrap();
-    n.node.node_publish_volume(sc.publish_req(false)).await.unwrap();
+    n.node
+        .node_publish_volume(sc.publish_req(false))
+        .await
+        .unwrap();
     let sum = {
         let f = sc.target.join("before-sigterm");
         std::fs::write(&f, vec![7u8; 1 << 20]).unwrap();
@@ -386,13 +464,20 @@ async fn sigterm_removes_the_socket_and_keeps_volumes_mounted() {
     assert!(status.success(), "clean exit on SIGTERM: {status}");
     assert!(!sc.env.socket("node").exists(), "socket removed");
     sc.assert_staged_once("after SIGTERM");
-    assert_eq!(mounts::mounts_at(&sc.target).unwrap().len(), 1, "still published");
+    assert_eq!(
+        mounts::mounts_at(&sc.target).unwrap().len(),
+        1,
+        "still published"
+    );
     assert_eq!(sha256_file(&sc.target.join("before-sigterm")), sum);
     std::fs::write(sc.target.join("while-down"), b"pods keep writing").unwrap();
 
     let (plugin, mut n) = sc.node("").await;
     n.node.node_stage_volume(sc.stage_req()).await.unwrap();
-    n.node.node_publish_volume(sc.publish_req(false)).await.unwrap();
+    n.node
+        .node_publish_volume(sc.publish_req(false))
+        .await
+        .unwrap();
     sc.assert_staged_once("after restart");
     assert_eq!(mounts::mounts_at(&sc.target).unwrap().len(), 1);
     drop(p);

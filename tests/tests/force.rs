@@ -18,7 +18,7 @@ struct Holders(Vec<Child>);
 impl Holders {
     fn on(dir: &std::path::Path) -> Holders {
         std::fs::write(dir.join("held.txt"), b"held").unwrap();
-        let open_file = Command::new("sh").arg("-c").arg(format!("exec 3<'{}/held.txt'; sleep 600", dir.display())).spawn().unwrap();
+        let open_file = Command::new("sh").arg("-c").arg(format!("exec 3<'{}/held.txt'; exec sleep 600", dir.display())).spawn().unwrap();
         let cwd = Command::new("sleep").arg("600").current_dir(dir).spawn().unwrap();
         std::thread::sleep(Duration::from_millis(100));
         Holders(vec![open_file, cwd])
@@ -109,13 +109,22 @@ async fn fenced_teardown(fs: &str, expect_stale: bool) {
     let size = if fs == "xfs" { 300 << 20 } else { 64 << 20 };
     let vol = rig.create(&format!("fenced-{fs}"), size, &cap).await;
     let p = rig.attach(&env, &vol.volume_id, "node-a", "pod", &cap).await.unwrap();
+    // Only what was synced before the fence is promised to survive it.
     std::fs::write(p.target.join("before.txt"), b"before the fence").unwrap();
+    std::fs::File::open(p.target.join("before.txt")).unwrap().sync_all().unwrap();
+    std::fs::File::open(&p.target).unwrap().sync_all().unwrap();
     rig.unpublish(&vol.volume_id, "node-a", true).await.expect("fence");
 
     // Writes through the fenced attachment fail, and the filesystem gives up.
     let write = std::fs::write(p.target.join("after.txt"), vec![7u8; 1 << 20]).and_then(|_| std::fs::File::open(p.target.join("after.txt"))?.sync_all());
     assert!(write.is_err(), "a synced write after the fence must fail");
     if expect_stale {
+        // A failed data write alone does not shut xfs down; a metadata change
+        // forced to the log does (its log write fails).
+        let _ = std::fs::create_dir(p.target.join("after-dir"));
+        if let Ok(d) = std::fs::File::open(&p.target) {
+            let _ = nix::unistd::syncfs(&d);
+        }
         // A shut-down xfs answers even stat() on its root with EIO.
         let deadline = Instant::now() + Duration::from_secs(5);
         while !matches!(mounts::path_state(&p.target), PathState::Stale(_)) {

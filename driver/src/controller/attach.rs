@@ -44,6 +44,11 @@ impl Controller {
             .store
             .volume(&id)
             .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        if v.state == crate::backend::meta::VolumeState::Creating {
+            return Err(CsiError::Aborted(format!(
+                "volume {id} is still being created; retry after CreateVolume completes"
+            )));
+        }
         if let Some(fs) = &access.fs_type {
             if *fs != v.fs_type {
                 return Err(CsiError::InvalidArgument(format!(

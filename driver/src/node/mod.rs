@@ -6,6 +6,7 @@
 //! and a retried call completes it without doubling anything.
 
 mod publish;
+pub mod recover;
 mod stage;
 mod stats;
 

@@ -43,6 +43,26 @@ pub(crate) fn fs_options(fs: &str, readonly: bool, flags: &[String]) -> Vec<Stri
     opts
 }
 
+/// An ext4 filesystem smaller than its device was expanded while it could not
+/// grow online (NodeExpandVolume without CAP_SYS_RESOURCE answers
+/// FAILED_PRECONDITION and promises this): grow it offline, before it is
+/// mounted. Sizes are read from the superblock, so an up-to-date volume
+/// costs one 1 KiB read; a gap under 1 MiB (a size cut by limit_bytes) is
+/// left alone.
+fn grow_ext4_to_device(device: &Path) -> CsiResult<()> {
+    let fs_size = fsutil::ext4_size(device)
+        .map_err(|e| CsiError::internal("reading the ext4 superblock", e))?;
+    let dev_size = fsutil::block_device_size(device)
+        .map_err(|e| CsiError::internal("reading the device size", e))?;
+    if dev_size < fs_size + (1 << 20) {
+        return Ok(());
+    }
+    fsutil::grow_offline(device, "ext4")
+        .map_err(|e| CsiError::internal("growing the ext4 filesystem before mounting", e))?;
+    tracing::info!(device = %device.display(), from = fs_size, to = dev_size, "ext4 filesystem grown offline to its device");
+    Ok(())
+}
+
 impl Node {
     pub(super) fn stage(&self, req: NodeStageVolumeRequest) -> CsiResult<NodeStageVolumeResponse> {
         if req.volume_id.is_empty() {
@@ -214,7 +234,11 @@ impl Node {
                 tracing::info!(device = %lo.device.display(), fs, "filesystem created on blank volume");
                 crate::failpoint::hit("stage:after-mkfs");
             }
-            FsKind::Ext4 if fs == "ext4" => {}
+            FsKind::Ext4 if fs == "ext4" => {
+                if !readonly {
+                    grow_ext4_to_device(&lo.device)?;
+                }
+            }
             FsKind::Xfs if fs == "xfs" => {}
             other => {
                 return Err(CsiError::FailedPrecondition(format!(
@@ -266,6 +290,27 @@ impl Node {
         force: bool,
     ) -> CsiResult<()> {
         let block_file = block_staging_file(staging, id);
+        let loops = self.loops_of(id)?;
+        if !force {
+            // Refuse before touching anything: a device still published
+            // elsewhere means the CO has not unpublished yet.
+            for (lo, _) in &loops {
+                let Ok((major, minor)) = rdev(&lo.device) else { continue };
+                let users = mounts::mounts_of_device(major, minor).map_err(|e| CsiError::internal("reading the mount table", e))?;
+                let others: Vec<String> = users
+                    .iter()
+                    .filter(|m| m.mount_point != staging && m.mount_point != block_file)
+                    .map(|m| m.mount_point.display().to_string())
+                    .collect();
+                if !others.is_empty() {
+                    return Err(CsiError::FailedPrecondition(format!(
+                        "{} is still published at {}; unpublish first (nothing was changed)",
+                        lo.device.display(),
+                        others.join(", ")
+                    )));
+                }
+            }
+        }
         // Decide from the mount table, never by looking inside: the staging
         // mount may be a fenced filesystem where every lookup fails with EIO.
         let mounted_at = |p: &Path| mounts::mounts_at(p).map(|m| !m.is_empty()).map_err(|e| CsiError::internal("reading the mount table", e));
@@ -275,7 +320,6 @@ impl Node {
             self.unmount_path(&block_file, force)?;
         }
         crate::failpoint::hit("unstage:after-unmount");
-        let loops = self.loops_of(id)?;
         for (lo, gen) in &loops {
             let Ok((major, minor)) = rdev(&lo.device) else {
                 continue;

@@ -1,0 +1,195 @@
+//! `fencecsi-attacher`: the VolumeAttachment controller as a process (a sidecar next to
+//! the controller plugin).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use fencecsi_attacher::{parse_duration, Attacher, Backoff, Config, FencePolicy, LeaderElection};
+use fencecsi_cluster::Cluster;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// fencecsi VolumeAttachment controller: attaches volumes with ControllerPublishVolume,
+/// detaches them with ControllerUnpublishVolume, and fences nodes that may still be
+/// writing (`fence = true`) so that a volume can move off a failed node safely.
+#[derive(Debug, Parser)]
+#[command(name = "fencecsi-attacher", version, about, long_about = None)]
+struct Args {
+    /// The controller plugin's CSI endpoint (unix socket).
+    #[arg(long, env = "CSI_ADDRESS", default_value = "unix:///csi/csi.sock")]
+    csi_address: String,
+
+    /// Kubeconfig to use; without it, the in-cluster configuration or the default
+    /// kubeconfig ($KUBECONFIG, ~/.kube/config).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+
+    /// Worker tasks processing VolumeAttachments concurrently.
+    #[arg(long, default_value_t = 10)]
+    workers: usize,
+
+    /// Timeout of each CSI call (e.g. 30s, 500ms, 2m).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    timeout: Duration,
+
+    /// How often every VolumeAttachment is processed again.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    resync: Duration,
+
+    /// When to send fence=true on detach: auto = the node may still be writing (gone,
+    /// NotReady, quarantined or out-of-service, or still using the volume); always;
+    /// never. Only plugins advertising UNPUBLISH_FENCE are ever asked to fence.
+    #[arg(long, value_enum, default_value_t = FencePolicy::Auto)]
+    fence: FencePolicy,
+
+    /// First retry delay after a failure; doubles per consecutive failure.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    retry_interval_start: Duration,
+
+    /// Longest retry delay.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    retry_interval_max: Duration,
+
+    /// Leader election on a Lease, so that of several replicas only one acts
+    /// (`--leader-election=false` to turn it off).
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    leader_election: bool,
+
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    leader_election_namespace: String,
+
+    /// Name of the leader-election Lease [default: external-attacher-leader-<driver>].
+    #[arg(long)]
+    leader_election_id: Option<String>,
+
+    /// This replica's identity in the Lease and in events [default: $POD_NAME or the
+    /// host name, plus a random suffix].
+    #[arg(long)]
+    identity: Option<String>,
+
+    /// How long others wait before taking over a Lease that was not renewed.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    leader_election_lease_duration: Duration,
+
+    /// How long the leader keeps acting without a successful renewal.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    leader_election_renew_deadline: Duration,
+
+    /// Interval between attempts to acquire or renew the Lease.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    leader_election_retry_period: Duration,
+
+    /// Address serving /healthz and /metrics; empty to disable.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http_endpoint: String,
+
+    /// On SIGTERM, how long in-flight CSI calls may take before the process exits.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    shutdown_grace: Duration,
+
+    /// Log format (the level comes from RUST_LOG, default info).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}
+
+fn config(args: &Args) -> Result<Config, String> {
+    if !args.csi_address.starts_with("unix://") && !args.csi_address.starts_with('/') {
+        return Err(format!(
+            "--csi-address {:?}: only unix sockets are supported (unix:///path)",
+            args.csi_address
+        ));
+    }
+    let mut cfg = Config::new(fencecsi_proto::client::socket_path(&args.csi_address));
+    cfg.workers = args.workers;
+    cfg.timeout = args.timeout;
+    cfg.resync = args.resync;
+    cfg.fence = args.fence;
+    cfg.backoff = Backoff {
+        initial: args.retry_interval_start,
+        max: args.retry_interval_max,
+    };
+    cfg.shutdown_grace = args.shutdown_grace;
+    if let Some(id) = &args.identity {
+        cfg.identity = id.clone();
+    }
+    cfg.http_endpoint = if args.http_endpoint.is_empty() {
+        None
+    } else {
+        Some(
+            args.http_endpoint
+                .parse::<SocketAddr>()
+                .map_err(|e| format!("--http-endpoint {:?}: {e}", args.http_endpoint))?,
+        )
+    };
+    if args.leader_election {
+        let mut le = LeaderElection::new(&args.leader_election_namespace);
+        le.lease_name = args.leader_election_id.clone();
+        le.lease_duration = args.leader_election_lease_duration;
+        le.renew_deadline = args.leader_election_renew_deadline;
+        le.retry_period = args.leader_election_retry_period;
+        cfg.leader_election = Some(le);
+    }
+    Ok(cfg)
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let cfg = match config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("{e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let cluster = match &args.kubeconfig {
+        Some(path) => Cluster::from_kubeconfig(path).await,
+        None => fencecsi_cluster::kube::Client::try_default()
+            .await
+            .map(Cluster::kube)
+            .map_err(fencecsi_cluster::Error::from),
+    };
+    let cluster = match cluster {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot reach the Kubernetes API");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    tracing::info!(socket = %cfg.csi_socket.display(), workers = cfg.workers, fence = %cfg.fence, identity = %cfg.identity, "fencecsi-attacher starting");
+    match Attacher::new(cluster, cfg).run(shutdown_signal()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "fencecsi-attacher failed");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

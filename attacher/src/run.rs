@@ -1,0 +1,391 @@
+//! The run loop: find the plugin, (optionally) win the lease, then run a session — the
+//! watch, the resync, the workers — until shutdown or lost leadership.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::{
+    well_known, Cluster, EventRecorder, LeaderElectionConfig, LeaderElector, LeaderHandle,
+    WatchEvent, WatchParams,
+};
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::config::{Config, FencePolicy};
+use crate::csi::{Capabilities, Csi};
+use crate::metrics::Metrics;
+use crate::queue::WorkQueue;
+use crate::reconcile::{should_enqueue, Ctx};
+use crate::{http, Error, Phase, Status};
+
+/// Events' reporting controller.
+pub const REPORTING_CONTROLLER: &str = "fencecsi.io/attacher";
+
+/// The longest pause between two attempts to reach the plugin at start.
+const STARTUP_RETRY_MAX: Duration = Duration::from_secs(5);
+
+struct Session {
+    queue: Arc<WorkQueue>,
+    workers: JoinSet<()>,
+    background: JoinSet<()>,
+}
+
+impl Session {
+    fn start(ctx: &Arc<Ctx>) -> Session {
+        let queue = Arc::new(WorkQueue::new(
+            ctx.cfg.backoff,
+            Some(ctx.metrics.queue_depth_gauge()),
+        ));
+        let mut background = JoinSet::new();
+        {
+            let q = queue.clone();
+            background.spawn(async move { q.run_delays().await });
+        }
+        background.spawn(watch_loop(ctx.clone(), queue.clone()));
+        background.spawn(resync_loop(ctx.clone(), queue.clone()));
+        let mut workers = JoinSet::new();
+        for _ in 0..ctx.cfg.workers.max(1) {
+            workers.spawn(worker(ctx.clone(), queue.clone()));
+        }
+        Session {
+            queue,
+            workers,
+            background,
+        }
+    }
+
+    /// Stops taking work and lets in-flight passes finish (bounded by `grace`).
+    async fn stop(mut self, grace: Duration) {
+        self.queue.shut_down();
+        self.background.shutdown().await;
+        let drain = async { while self.workers.join_next().await.is_some() {} };
+        if tokio::time::timeout(grace, drain).await.is_err() {
+            tracing::warn!(?grace, "in-flight operations did not finish in time; abandoning them");
+            self.workers.shutdown().await;
+        }
+    }
+
+    /// Stops at once, dropping in-flight passes (their objects are retried by whoever
+    /// acts next: every step is idempotent).
+    async fn abort(mut self) {
+        self.queue.shut_down();
+        self.background.shutdown().await;
+        self.workers.shutdown().await;
+    }
+}
+
+async fn worker(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
+    while let Some(key) = queue.get().await {
+        match ctx.reconcile(&key).await {
+            Ok(()) => queue.forget(&key),
+            Err(e) => {
+                let delay = queue.add_rate_limited(&key);
+                tracing::warn!(va = %key, error = %e, retry_in = ?delay, "will retry");
+            }
+        }
+        queue.done(&key);
+    }
+}
+
+async fn watch_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
+    let mut failures = 0;
+    let mut stream = loop {
+        match ctx.vas.watch(&WatchParams::default()) {
+            Ok(s) => break s,
+            Err(e) => {
+                failures += 1;
+                let d = ctx.cfg.backoff.delay(failures).min(STARTUP_RETRY_MAX);
+                tracing::warn!(error = %e, retry_in = ?d, "watching VolumeAttachments failed");
+                tokio::time::sleep(d).await;
+            }
+        }
+    };
+    while let Some(ev) = stream.next().await {
+        match ev {
+            WatchEvent::Listed(items) => {
+                let ours: HashMap<String, Arc<VolumeAttachment>> = items
+                    .into_iter()
+                    .filter(|va| ctx.is_ours(va))
+                    .map(|va| (va.metadata.name.clone().unwrap_or_default(), Arc::new(va)))
+                    .collect();
+                let names: Vec<String> = ours.keys().cloned().collect();
+                *ctx.cache.write().unwrap_or_else(|e| e.into_inner()) = ours;
+                tracing::debug!(count = names.len(), "VolumeAttachments listed");
+                for n in names {
+                    queue.add(&n);
+                }
+            }
+            WatchEvent::Added(va) | WatchEvent::Modified(va) => {
+                if !ctx.is_ours(&va) {
+                    continue;
+                }
+                let name = va.metadata.name.clone().unwrap_or_default();
+                let new = Arc::new(va);
+                let old = ctx
+                    .cache
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(name.clone(), new.clone());
+                if should_enqueue(old.as_deref(), &new, &ctx.finalizer) {
+                    queue.add(&name);
+                }
+            }
+            WatchEvent::Deleted(va) => {
+                let name = va.metadata.name.clone().unwrap_or_default();
+                ctx.cache
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&name);
+                queue.forget(&name);
+            }
+        }
+    }
+}
+
+async fn resync_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
+    let period = ctx.cfg.resync.max(Duration::from_millis(10));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let names: Vec<String> = ctx
+            .cache
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        tracing::debug!(count = names.len(), "resync");
+        for n in &names {
+            queue.add(n);
+        }
+        ctx.sweep_pv_finalizers().await;
+        match ctx.csi.capabilities().await {
+            Ok(caps) => {
+                let mut cur = ctx.caps.write().unwrap_or_else(|e| e.into_inner());
+                if *cur != caps {
+                    tracing::info!(old = ?*cur, new = ?caps, "plugin capabilities changed");
+                    *cur = caps;
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "refreshing plugin capabilities failed"),
+        }
+    }
+}
+
+/// Leadership as seen by this instance.
+struct Leadership {
+    handle: Option<Arc<LeaderHandle>>,
+    poll: Duration,
+}
+
+impl Leadership {
+    fn is_leader(&self) -> bool {
+        self.handle.as_ref().is_none_or(|h| h.is_leader())
+    }
+
+    async fn acquired(&self) {
+        let Some(h) = &self.handle else { return };
+        let mut rx = h.subscribe();
+        loop {
+            if h.is_leader() {
+                return;
+            }
+            tokio::select! {
+                r = rx.changed() => {
+                    if r.is_err() {
+                        tokio::time::sleep(self.poll).await;
+                    }
+                }
+                _ = tokio::time::sleep(self.poll * 4) => {}
+            }
+        }
+    }
+
+    async fn lost(&self) {
+        if self.handle.is_none() {
+            return std::future::pending().await;
+        }
+        while self.is_leader() {
+            tokio::time::sleep(self.poll).await;
+        }
+    }
+}
+
+pub(crate) async fn run(
+    cluster: Cluster,
+    cfg: Config,
+    metrics: Arc<Metrics>,
+    status: watch::Sender<Status>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    validate(&cfg)?;
+    tokio::pin!(shutdown);
+    let mut bg = JoinSet::new();
+    status.send_modify(|s| {
+        s.phase = Phase::Starting;
+        s.identity = cfg.identity.clone();
+    });
+    if let Some(addr) = cfg.http_endpoint {
+        let listener = http::bind(addr)
+            .await
+            .map_err(|source| Error::Http { addr, source })?;
+        let bound = listener.local_addr().ok();
+        status.send_modify(|s| s.http_addr = bound);
+        tracing::info!(addr = ?bound, "serving /healthz and /metrics");
+        bg.spawn(http::serve(listener, metrics.clone(), status.subscribe()));
+    }
+
+    let csi = Csi::new(&cfg.csi_socket, cfg.timeout);
+    let mut failures = 0;
+    let (driver, caps) = loop {
+        let attempt = async {
+            let name = csi.plugin_name().await?;
+            let caps = csi.capabilities().await?;
+            Ok::<(String, Capabilities), tonic::Status>((name, caps))
+        };
+        let r = tokio::select! {
+            _ = &mut shutdown => return finish(status, bg).await,
+            r = attempt => r,
+        };
+        match r {
+            Ok(x) => break x,
+            Err(e) => {
+                failures += 1;
+                let d = cfg.backoff.delay(failures).min(STARTUP_RETRY_MAX);
+                tracing::warn!(socket = %cfg.csi_socket.display(), code = ?e.code(), error = %e.message(), retry_in = ?d, "waiting for the CSI plugin");
+                tokio::select! {
+                    _ = &mut shutdown => return finish(status, bg).await,
+                    _ = tokio::time::sleep(d) => {}
+                }
+            }
+        }
+    };
+    tracing::info!(driver = %driver, publish_unpublish = caps.publish_unpublish, unpublish_fence = caps.unpublish_fence, fence = %cfg.fence, "CSI plugin found");
+    if cfg.fence == FencePolicy::Always && !caps.unpublish_fence {
+        tracing::warn!("--fence=always, but the plugin does not advertise UNPUBLISH_FENCE: detaches will not be fenced");
+    }
+    if !caps.publish_unpublish {
+        tracing::warn!("the plugin has no PUBLISH_UNPUBLISH_VOLUME: VolumeAttachments are marked attached and detached without CSI calls");
+    }
+    status.send_modify(|s| {
+        s.driver = Some(driver.clone());
+        s.capabilities = Some(caps);
+    });
+
+    let leadership = match &cfg.leader_election {
+        Some(le) => {
+            let lease = le.lease_name_for(&driver);
+            let lcfg = LeaderElectionConfig::new(&le.namespace, &lease, &cfg.identity).with_timing(
+                le.lease_duration,
+                le.renew_deadline,
+                le.retry_period,
+            );
+            let elector = LeaderElector::new(&cluster, lcfg)?;
+            tracing::info!(namespace = %le.namespace, lease = %lease, identity = %cfg.identity, "leader election on");
+            Leadership {
+                handle: Some(Arc::new(elector.spawn())),
+                poll: (le.retry_period / 4).clamp(Duration::from_millis(10), Duration::from_millis(100)),
+            }
+        }
+        None => Leadership {
+            handle: None,
+            poll: Duration::from_millis(100),
+        },
+    };
+    let leadership = Arc::new(leadership);
+    let may_act: Arc<dyn Fn() -> bool + Send + Sync> = {
+        let l = leadership.clone();
+        Arc::new(move || l.is_leader())
+    };
+
+    let ctx = Arc::new(Ctx {
+        finalizer: well_known::attacher_finalizer(&driver),
+        driver,
+        csi,
+        caps: RwLock::new(caps),
+        metrics: metrics.clone(),
+        events: Arc::new(EventRecorder::new(&cluster, REPORTING_CONTROLLER, &cfg.identity)),
+        vas: cluster.api(None),
+        pvs: cluster.api(None),
+        nodes: cluster.api(None),
+        csinodes: cluster.api(None),
+        cache: RwLock::new(HashMap::new()),
+        may_act,
+        cfg: cfg.clone(),
+    });
+
+    loop {
+        if leadership.handle.is_some() {
+            status.send_modify(|s| s.phase = Phase::Standby);
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = leadership.acquired() => {}
+            }
+            tracing::info!(identity = %cfg.identity, "leading: starting work");
+        }
+        status.send_modify(|s| s.phase = Phase::Active);
+        metrics.set_active(true);
+        let session = Session::start(&ctx);
+        let stop = tokio::select! {
+            _ = &mut shutdown => true,
+            _ = leadership.lost() => false,
+        };
+        if stop {
+            status.send_modify(|s| s.phase = Phase::Stopping);
+            tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: finishing in-flight operations");
+            session.stop(cfg.shutdown_grace).await;
+            metrics.set_active(false);
+            break;
+        }
+        tracing::warn!("lost leadership: stopping work at once");
+        session.abort().await;
+        metrics.set_active(false);
+    }
+
+    status.send_modify(|s| s.phase = Phase::Stopping);
+    metrics.set_active(false);
+    drop(ctx);
+    let leadership = Arc::try_unwrap(leadership).ok();
+    if let Some(handle) = leadership.and_then(|l| l.handle) {
+        match Arc::try_unwrap(handle) {
+            Ok(h) => match h.shutdown().await {
+                Ok(()) => tracing::info!("lease released"),
+                Err(e) => tracing::warn!(error = %e, "releasing the lease failed"),
+            },
+            Err(_) => tracing::warn!("lease still shared at exit; not released"),
+        }
+    }
+    finish(status, bg).await
+}
+
+async fn finish(status: watch::Sender<Status>, mut bg: JoinSet<()>) -> Result<(), Error> {
+    bg.shutdown().await;
+    status.send_modify(|s| s.phase = Phase::Stopped);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn validate(cfg: &Config) -> Result<(), Error> {
+    let bad = |m: &str| Err(Error::Config(m.to_string()));
+    if cfg.workers == 0 {
+        return bad("workers must be at least 1");
+    }
+    if cfg.timeout.is_zero() {
+        return bad("timeout must be positive");
+    }
+    if cfg.resync.is_zero() {
+        return bad("resync must be positive");
+    }
+    if cfg.backoff.initial.is_zero() || cfg.backoff.max < cfg.backoff.initial {
+        return bad("backoff: initial must be positive and not above max");
+    }
+    if cfg.identity.is_empty() {
+        return bad("identity must not be empty");
+    }
+    Ok(())
+}

@@ -1,0 +1,571 @@
+//! The attacher against the real driver (in this process, on real loop devices) and the
+//! embedded cluster.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use fencecsi_attacher::metrics::{ATTACH, DETACH, ERROR, SUCCESS};
+use fencecsi_attacher::{
+    spawn, FencePolicy, LeaderElection, Phase, REASON_ATTACHED, REASON_ATTACH_FAILED,
+    REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION,
+};
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeSpec, PersistentVolume, Taint};
+use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::{well_known, Cluster, DeleteOptions, ListParams, WatchEvent, WatchParams};
+use fencecsi_driver::config::Mode;
+use fencecsi_driver::controller::CTX_GENERATION;
+use fencecsi_driver::fsops::is_immutable;
+use fencecsi_tests::{generation_path, require_root, Env, InProcess};
+use futures::StreamExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const T: Duration = Duration::from_secs(10);
+
+fn fin() -> String {
+    well_known::attacher_finalizer(DRIVER)
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let code = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (code, body)
+}
+
+/// Reasons of the events recorded about `va`, in order.
+async fn event_reasons(cluster: &Cluster, va: &str) -> Vec<String> {
+    let mut evs: Vec<Event> = cluster
+        .api::<Event>(Some("default"))
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(va))
+        .collect();
+    evs.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    evs.into_iter().filter_map(|e| e.reason).collect()
+}
+
+async fn wait_event(cluster: &Cluster, va: &str, reason: &str) -> Vec<String> {
+    eventually(T, &format!("event {reason} on {va}"), || async {
+        let r = event_reasons(cluster, va).await;
+        r.iter().any(|x| x == reason).then_some(r)
+    })
+    .await
+}
+
+/// A plugin in "all" mode serving node-a, a cluster with node-a (Ready) registered, and
+/// one volume with its PV.
+struct Setup {
+    env: Env,
+    plugin: Option<InProcess>,
+    client: fencecsi_proto::client::CsiClient,
+    cluster: Cluster,
+}
+
+impl Setup {
+    async fn new() -> Setup {
+        fencecsi_tests::init_tracing();
+        let env = Env::new();
+        let (plugin, client) = InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await;
+        let cluster = Cluster::embedded();
+        register_node(&cluster, "node-a", true).await;
+        Setup {
+            env,
+            plugin: Some(plugin),
+            client,
+            cluster,
+        }
+    }
+
+    fn socket(&self) -> std::path::PathBuf {
+        self.env.socket("all")
+    }
+
+    /// A volume, its PV, and a VolumeAttachment to `node`; returns (handle, VA name).
+    async fn volume_and_va(&self, pv_name: &str, node: &str) -> (String, String) {
+        let handle = create_volume(&self.client, pv_name, true).await;
+        self.cluster
+            .api::<PersistentVolume>(None)
+            .create(&pv(pv_name, &handle, true, "ReadWriteOnce"))
+            .await
+            .unwrap();
+        let va = va(pv_name, &handle, node);
+        let name = va.metadata.name.clone().unwrap();
+        self.cluster.api::<VolumeAttachment>(None).create(&va).await.unwrap();
+        (handle, name)
+    }
+
+    async fn finish(mut self) {
+        if let Some(p) = self.plugin.take() {
+            p.stop().await;
+        }
+        self.env.assert_clean();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attach_then_detach_without_fence_on_a_ready_node() {
+    require_root!();
+    let s = Setup::new().await;
+    let mut a = spawn(s.cluster.clone(), test_config(&s.socket()));
+    assert!(a.wait_active(T).await, "attacher active");
+    assert_eq!(a.status().driver.as_deref(), Some(DRIVER));
+    let (handle, name) = s.volume_and_va("pv-1", "node-a").await;
+
+    let va = wait_attached(&s.cluster, &name, T).await;
+    assert_eq!(finalizers(&va), vec![fin()]);
+    let st = va.status.clone().unwrap();
+    assert_eq!(st.attach_error, None);
+    let meta = st.attachment_metadata.expect("attachmentMetadata");
+    assert_eq!(meta.get(CTX_GENERATION).map(String::as_str), Some("1"), "{meta:?}");
+    assert_eq!(
+        va.metadata.annotations.as_ref().unwrap()[VA_NODE_ID_ANNOTATION],
+        "node-a"
+    );
+    let pv = s.cluster.api::<PersistentVolume>(None).get("pv-1").await.unwrap();
+    assert_eq!(finalizers(&pv), vec![fin()], "the PV is held while attached");
+    assert_eq!(published_nodes(&s.client, &handle).await, vec!["node-a"]);
+    wait_event(&s.cluster, &name, REASON_ATTACHED).await;
+
+    // /healthz and /metrics answer.
+    let addr = a.status().http_addr.unwrap();
+    assert_eq!(http_get(addr, "/healthz").await, (200, "ok\n".into()));
+    let (code, metrics) = http_get(addr, "/metrics").await;
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("fencecsi_attacher_operations_total{kind=\"attach\",result=\"success\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("fencecsi_attacher_active 1"), "{metrics}");
+    assert_eq!(http_get(addr, "/nope").await.0, 404);
+
+    // Detach: the node is Ready and does not list the volume in use: no fence.
+    s.cluster
+        .api::<VolumeAttachment>(None)
+        .delete(&name, &DeleteOptions::default())
+        .await
+        .unwrap();
+    wait_gone(&s.cluster, &name, T).await;
+    assert!(published_nodes(&s.client, &handle).await.is_empty());
+    let pv = s.cluster.api::<PersistentVolume>(None).get("pv-1").await.unwrap();
+    assert!(finalizers(&pv).is_empty(), "PV finalizer released: {:?}", finalizers(&pv));
+    assert!(!is_immutable(&generation_path(&s.env, &handle, 1)).unwrap(), "no fence on a Ready node");
+    let reasons = wait_event(&s.cluster, &name, REASON_DETACHED).await;
+    assert!(!reasons.iter().any(|r| r == REASON_FENCED), "{reasons:?}");
+    assert_eq!(a.metrics().operations(DETACH, SUCCESS), 1);
+    assert_eq!(a.metrics().fences(SUCCESS), 0);
+
+    a.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detach_fences_a_node_that_may_still_write() {
+    require_root!();
+    let s = Setup::new().await;
+    let mut a = spawn(s.cluster.clone(), test_config(&s.socket()));
+    assert!(a.wait_active(T).await);
+    let vas = s.cluster.api::<VolumeAttachment>(None);
+
+    // 1: the node goes NotReady.
+    let (h1, va1) = s.volume_and_va("pv-notready", "node-a").await;
+    // 2: the node is Ready but still lists the volume in use.
+    let (h2, va2) = s.volume_and_va("pv-inuse", "node-a").await;
+    let a1 = wait_attached(&s.cluster, &va1, T).await;
+    wait_attached(&s.cluster, &va2, T).await;
+    let gen1: u64 = a1.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION].parse().unwrap();
+
+    let nodes = s.cluster.api::<Node>(None);
+    let mut n = nodes.get("node-a").await.unwrap();
+    n.status.as_mut().unwrap().volumes_in_use = Some(vec![format!("kubernetes.io/csi/{DRIVER}^{h2}")]);
+    nodes.replace_status(&n).await.unwrap();
+    vas.delete(&va2, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&s.cluster, &va2, T).await;
+    assert!(is_immutable(&generation_path(&s.env, &h2, 1)).unwrap(), "volume in use: fenced");
+    wait_event(&s.cluster, &va2, REASON_FENCED).await;
+
+    set_ready(&s.cluster, "node-a", false).await;
+    vas.delete(&va1, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&s.cluster, &va1, T).await;
+    assert!(published_nodes(&s.client, &h1).await.is_empty());
+    assert!(
+        is_immutable(&generation_path(&s.env, &h1, gen1)).unwrap(),
+        "the fenced generation must carry the immutable flag"
+    );
+    wait_event(&s.cluster, &va1, REASON_FENCED).await;
+    assert_eq!(a.metrics().fences(SUCCESS), 2);
+
+    // 3: a quarantined node that is Ready again, with --fence=never on another instance:
+    // no fence. (Re-attach the first volume; it gets a new generation.)
+    a.shutdown().await.unwrap();
+    let mut cfg = test_config(&s.socket());
+    cfg.fence = FencePolicy::Never;
+    let mut b = spawn(s.cluster.clone(), cfg);
+    assert!(b.wait_active(T).await);
+    set_ready(&s.cluster, "node-a", true).await;
+    let mut n = nodes.get("node-a").await.unwrap();
+    n.spec = Some(NodeSpec {
+        taints: Some(vec![Taint {
+            key: well_known::QUARANTINE_TAINT_KEY.into(),
+            value: Some(well_known::QUARANTINE_TAINT_VALUE.into()),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    });
+    nodes.replace(&n).await.unwrap();
+    let va3 = va("pv-notready", &h1, "node-a");
+    vas.create(&va3).await.unwrap();
+    let name3 = va3.metadata.name.clone().unwrap();
+    let attached = wait_attached(&s.cluster, &name3, T).await;
+    let gen3: u64 = attached.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION].parse().unwrap();
+    assert!(gen3 > gen1, "a new generation after the fence ({gen3} > {gen1})");
+    vas.delete(&name3, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&s.cluster, &name3, T).await;
+    assert!(!is_immutable(&generation_path(&s.env, &h1, gen3)).unwrap(), "--fence=never");
+    assert_eq!(b.metrics().fences(SUCCESS), 0);
+    b.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_failures_are_retried_with_growing_backoff_until_the_node_registers() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    // A controller only: node-b's plugin is not running, so the driver does not know it.
+    let (controller, client) = InProcess::start(env.config(Mode::Controller, None, "ctrl")).await;
+    let cluster = Cluster::embedded();
+    register_node(&cluster, "node-b", true).await;
+    let mut cfg = test_config(&env.socket("ctrl"));
+    cfg.backoff.initial = Duration::from_millis(100);
+    cfg.backoff.max = Duration::from_secs(2);
+    let mut a = spawn(cluster.clone(), cfg);
+    assert!(a.wait_active(T).await);
+
+    let vas = cluster.api::<VolumeAttachment>(None);
+    let mut watch = vas.watch(&WatchParams::default()).unwrap();
+    let handle = create_volume(&client, "pv-b", true).await;
+    cluster
+        .api::<PersistentVolume>(None)
+        .create(&pv("pv-b", &handle, true, "ReadWriteOnce"))
+        .await
+        .unwrap();
+    let va = va("pv-b", &handle, "node-b");
+    let name = va.metadata.name.clone().unwrap();
+    let created = Instant::now();
+    vas.create(&va).await.unwrap();
+
+    // Record when each attachError is written.
+    let mut errors: Vec<(Duration, String)> = Vec::new();
+    let mut last_time = None;
+    while errors.len() < 5 {
+        let ev = tokio::time::timeout(T, watch.next()).await.expect("event").unwrap();
+        let (WatchEvent::Added(v) | WatchEvent::Modified(v)) = ev else { continue };
+        if let Some(e) = v.status.and_then(|s| s.attach_error) {
+            if e.time != last_time {
+                last_time = e.time.clone();
+                errors.push((created.elapsed(), e.message.unwrap_or_default()));
+            }
+        }
+    }
+    assert!(errors[0].1.contains("NotFound") && errors[0].1.contains("node-b"), "{errors:?}");
+    let gaps: Vec<Duration> = errors.windows(2).map(|w| w[1].0 - w[0].0).collect();
+    eprintln!("attachError written at {:?}; gaps {gaps:?}", errors.iter().map(|e| e.0).collect::<Vec<_>>());
+    // 100, 200, 400, 800 ms: each retry waits twice as long (with scheduling slack).
+    for (i, g) in gaps.iter().enumerate() {
+        let want = Duration::from_millis(100 << i);
+        assert!(*g >= want - want / 10, "retry {i} came too early: gaps {gaps:?}");
+        assert!(*g < want * 2, "retry {i} came too late: gaps {gaps:?}");
+    }
+    assert!(a.metrics().operations(ATTACH, ERROR) >= 4);
+    wait_event(&cluster, &name, REASON_ATTACH_FAILED).await;
+    let v = vas.get(&name).await.unwrap();
+    assert!(!v.status.unwrap().attached);
+
+    // The node plugin starts and registers node-b: the next retry attaches and clears
+    // the error.
+    let (node_plugin, _) = InProcess::start(env.config(Mode::Node, Some("node-b"), "node-b")).await;
+    let v = wait_attached(&cluster, &name, T).await;
+    assert_eq!(v.status.unwrap().attach_error, None, "attachError cleared");
+    assert_eq!(published_nodes(&client, &handle).await, vec!["node-b"]);
+
+    vas.delete(&name, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&cluster, &name, T).await;
+    a.shutdown().await.unwrap();
+    node_plugin.stop().await;
+    controller.stop().await;
+    env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let cfg_plugin = env.config(Mode::All, Some("node-a"), "all");
+    let cluster = Cluster::embedded();
+    register_node(&cluster, "node-a", true).await;
+
+    // The socket does not exist yet.
+    let mut a = spawn(cluster.clone(), test_config(&env.socket("all")));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(a.status().phase, Phase::Starting);
+    let (plugin, client) = InProcess::start(cfg_plugin.clone()).await;
+    assert!(a.wait_active(T).await, "active once the plugin is there");
+
+    let vas = cluster.api::<VolumeAttachment>(None);
+    let pvs = cluster.api::<PersistentVolume>(None);
+    let h1 = create_volume(&client, "pv-r1", true).await;
+    let h2 = create_volume(&client, "pv-r2", true).await;
+    pvs.create(&pv("pv-r1", &h1, true, "ReadWriteOnce")).await.unwrap();
+    pvs.create(&pv("pv-r2", &h2, true, "ReadWriteOnce")).await.unwrap();
+    let va1 = va("pv-r1", &h1, "node-a");
+    vas.create(&va1).await.unwrap();
+    wait_attached(&cluster, va1.metadata.name.as_deref().unwrap(), T).await;
+
+    // The plugin goes away: the next attach fails and is recorded...
+    plugin.stop().await;
+    let va2 = va("pv-r2", &h2, "node-a");
+    let name2 = va2.metadata.name.clone().unwrap();
+    vas.create(&va2).await.unwrap();
+    let err = eventually(T, "attachError while the plugin is down", || {
+        let vas = vas.clone();
+        let name2 = name2.clone();
+        async move {
+            vas.get(&name2)
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.attach_error)
+                .and_then(|e| e.message)
+        }
+    })
+    .await;
+    assert!(err.contains("Unavailable") || err.contains("DeadlineExceeded"), "{err}");
+
+    // ...and retried until the plugin is back.
+    let (plugin, client) = InProcess::start(cfg_plugin).await;
+    let v = wait_attached(&cluster, &name2, T).await;
+    assert_eq!(v.status.unwrap().attach_error, None);
+    assert_eq!(published_nodes(&client, &h2).await, vec!["node-a"]);
+
+    for v in [&va1, &va2] {
+        vas.delete(v.metadata.name.as_deref().unwrap(), &DeleteOptions::default())
+            .await
+            .unwrap();
+    }
+    wait_gone(&cluster, va1.metadata.name.as_deref().unwrap(), T).await;
+    wait_gone(&cluster, &name2, T).await;
+    a.shutdown().await.unwrap();
+    plugin.stop().await;
+    env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
+    require_root!();
+    let s = Setup::new().await;
+    // The first attacher talks to the plugin through a proxy that can hold its calls.
+    let proxy = GatedProxy::start(s.env.socket("proxy"), s.socket());
+    let mut a = spawn(s.cluster.clone(), test_config(&proxy.socket));
+    assert!(a.wait_active(T).await);
+    let (handle, name) = s.volume_and_va("pv-k", "node-a").await;
+    let attached = wait_attached(&s.cluster, &name, T).await;
+    let gen: u64 = attached.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION].parse().unwrap();
+
+    // The node stops answering; the VolumeAttachment is deleted; the detach (with
+    // fence) is sent but held in flight; the attacher dies.
+    set_ready(&s.cluster, "node-a", false).await;
+    proxy.set_open(false);
+    let vas = s.cluster.api::<VolumeAttachment>(None);
+    vas.delete(&name, &DeleteOptions::default()).await.unwrap();
+    eventually(T, "the unpublish call in flight", || async { (proxy.held_bytes() > 0).then_some(()) }).await;
+    a.abort().await;
+    drop(proxy);
+    let v = vas.get(&name).await.unwrap();
+    assert_eq!(finalizers(&v), vec![fin()], "still held: the detach never finished");
+    assert_eq!(published_nodes(&s.client, &handle).await, vec!["node-a"]);
+    assert!(!is_immutable(&generation_path(&s.env, &handle, gen)).unwrap());
+
+    // A new instance finishes the job, fence included.
+    let mut b = spawn(s.cluster.clone(), test_config(&s.socket()));
+    assert!(b.wait_active(T).await);
+    wait_gone(&s.cluster, &name, T).await;
+    assert!(published_nodes(&s.client, &handle).await.is_empty());
+    assert!(is_immutable(&generation_path(&s.env, &handle, gen)).unwrap(), "fenced by the new instance");
+    assert_eq!(b.metrics().fences(SUCCESS), 1);
+    let pv = s.cluster.api::<PersistentVolume>(None).get("pv-k").await.unwrap();
+    assert!(finalizers(&pv).is_empty());
+    b.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_leader_election_one_replica_acts_and_another_takes_over() {
+    require_root!();
+    let s = Setup::new().await;
+    let le = {
+        let mut le = LeaderElection::new("kube-system");
+        le.lease_duration = Duration::from_secs(2);
+        le.renew_deadline = Duration::from_millis(1500);
+        le.retry_period = Duration::from_millis(200);
+        le
+    };
+    let replica = |id: &str| {
+        let mut cfg = test_config(&s.socket());
+        cfg.identity = id.into();
+        cfg.leader_election = Some(le.clone());
+        spawn(s.cluster.clone(), cfg)
+    };
+    let a = replica("replica-a");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = replica("replica-b");
+    let slots = Arc::new(std::sync::Mutex::new([Some(a), Some(b)]));
+
+    // Watch both, every 2 ms, for the whole test.
+    let both_active = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (slots, both, stop) = (slots.clone(), both_active.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                {
+                    let g = slots.lock().unwrap();
+                    let n = g.iter().flatten().filter(|h| h.is_active()).count();
+                    if n > 1 {
+                        both.store(true, Ordering::SeqCst);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+    let active = |i: usize| slots.lock().unwrap()[i].as_ref().is_some_and(|h| h.is_active());
+    eventually(T, "replica a active", || async { active(0).then_some(()) }).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!active(1), "replica b must stand by");
+    assert_eq!(slots.lock().unwrap()[1].as_ref().unwrap().status().phase, Phase::Standby);
+
+    let (handle, name) = s.volume_and_va("pv-le", "node-a").await;
+    wait_attached(&s.cluster, &name, T).await;
+    let metrics_a = slots.lock().unwrap()[0].as_ref().unwrap().metrics().clone();
+    let metrics_b = slots.lock().unwrap()[1].as_ref().unwrap().metrics().clone();
+    assert_eq!(metrics_a.operations(ATTACH, SUCCESS), 1);
+    assert_eq!(metrics_b.operations(ATTACH, SUCCESS), 0);
+
+    // a stops gracefully: it releases the lease, b takes over at once.
+    let a = slots.lock().unwrap()[0].take().unwrap();
+    let t = Instant::now();
+    a.shutdown().await.unwrap();
+    eventually(T, "replica b active", || async { active(1).then_some(()) }).await;
+    assert!(t.elapsed() < Duration::from_millis(1500), "takeover after release took {:?}", t.elapsed());
+    s.cluster
+        .api::<VolumeAttachment>(None)
+        .delete(&name, &DeleteOptions::default())
+        .await
+        .unwrap();
+    wait_gone(&s.cluster, &name, T).await;
+    assert_eq!(metrics_b.operations(DETACH, SUCCESS), 1);
+    assert!(published_nodes(&s.client, &handle).await.is_empty());
+
+    // b crashes (no release): a new replica c takes over once the lease expires.
+    slots.lock().unwrap()[0] = Some(replica("replica-c"));
+    let b = slots.lock().unwrap()[1].take().unwrap();
+    let t = Instant::now();
+    b.abort().await;
+    eventually(T, "replica c active", || async { active(0).then_some(()) }).await;
+    let took = t.elapsed();
+    assert!(took >= Duration::from_millis(1000), "took over before the lease expired: {took:?}");
+    let (_, name2) = s.volume_and_va("pv-le2", "node-a").await;
+    wait_attached(&s.cluster, &name2, T).await;
+
+    stop.store(true, Ordering::SeqCst);
+    sampler.await.unwrap();
+    assert!(!both_active.load(Ordering::SeqCst), "two replicas were active at once");
+    let c = slots.lock().unwrap()[0].take().unwrap();
+    s.cluster
+        .api::<VolumeAttachment>(None)
+        .delete(&name2, &DeleteOptions::default())
+        .await
+        .unwrap();
+    wait_gone(&s.cluster, &name2, T).await;
+    c.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_attachments_of_other_drivers_are_never_touched() {
+    require_root!();
+    let s = Setup::new().await;
+    let mut cfg = test_config(&s.socket());
+    cfg.resync = Duration::from_millis(200);
+    let mut a = spawn(s.cluster.clone(), cfg);
+    assert!(a.wait_active(T).await);
+    let other = "other.example.com";
+    let pvs = s.cluster.api::<PersistentVolume>(None);
+    let vas = s.cluster.api::<VolumeAttachment>(None);
+    pvs.create(&pv_of("pv-other", "handle-x", true, "ReadWriteOnce", other)).await.unwrap();
+    let foreign = va_of("pv-other", "handle-x", "node-a", other);
+    let foreign_name = foreign.metadata.name.clone().unwrap();
+    vas.create(&foreign).await.unwrap();
+    let (_, ours) = s.volume_and_va("pv-ours", "node-a").await;
+    wait_attached(&s.cluster, &ours, T).await;
+    tokio::time::sleep(Duration::from_millis(800)).await; // several resyncs
+
+    let f = vas.get(&foreign_name).await.unwrap();
+    assert!(finalizers(&f).is_empty(), "{:?}", f.metadata.finalizers);
+    assert_eq!(f.status, None);
+    assert!(f.metadata.annotations.is_none());
+    assert!(finalizers(&pvs.get("pv-other").await.unwrap()).is_empty());
+    assert!(event_reasons(&s.cluster, &foreign_name).await.is_empty());
+    // Deleting it is not held up by us.
+    vas.delete(&foreign_name, &DeleteOptions::default()).await.unwrap();
+    assert!(vas.get_opt(&foreign_name).await.unwrap().is_none());
+    assert_eq!(a.metrics().operations(ATTACH, SUCCESS), 1);
+
+    vas.delete(&ours, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&s.cluster, &ours, T).await;
+    a.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+#[test]
+fn the_binary_explains_its_flags() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencecsi-attacher"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for flag in [
+        "--csi-address",
+        "--kubeconfig",
+        "--workers",
+        "--timeout",
+        "--resync",
+        "--fence",
+        "--leader-election",
+        "--leader-election-namespace",
+        "--leader-election-id",
+        "--http-endpoint",
+        "--log-format",
+        "[default: unix:///csi/csi.sock]",
+        "- always:",
+        "- never:",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
+    }
+}

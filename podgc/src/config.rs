@@ -1,0 +1,72 @@
+//! Configuration of the controller (the binary's flags map onto this).
+
+use std::time::Duration;
+
+use fencecsi_cluster::LeaderElectionConfig;
+
+/// What podgc does and when.
+#[derive(Debug, Clone)]
+pub struct PodGcConfig {
+    /// How long a node's Ready condition must have been False/Unknown (from its
+    /// lastTransitionTime) before podgc acts on it.
+    pub shutdown_grace: Duration,
+    /// Where no node lifecycle controller runs: a node whose Lease in kube-node-lease was
+    /// not renewed for this long counts as NotReady from then on (the shutdown grace then
+    /// runs on top, as it would after the lifecycle controller's Ready=Unknown). Measured on
+    /// podgc's own clock, from when it saw the lease change. `None`: leases are ignored.
+    pub node_lease_grace: Option<Duration>,
+    /// Disruption mode: while more than this fraction of all nodes is NotReady, podgc
+    /// does nothing.
+    pub max_unhealthy_fraction: f64,
+    /// Also taint quarantined nodes `node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`.
+    pub out_of_service_taint: bool,
+    /// A full pass at least this often, even when no watch event arrives.
+    pub resync_interval: Duration,
+    /// Delay between a relevant watch event (node readiness, taints, annotations,
+    /// attachments) and the pass it triggers, so bursts of events make one pass.
+    pub debounce: Duration,
+    /// Name of this instance (Events' reportingInstance, leader identity).
+    pub identity: String,
+    /// `None`: act without leader election (one replica, tests).
+    pub leader_election: Option<LeaderElectionConfig>,
+}
+
+impl Default for PodGcConfig {
+    fn default() -> Self {
+        PodGcConfig {
+            shutdown_grace: Duration::from_secs(30),
+            node_lease_grace: Some(Duration::from_secs(40)),
+            max_unhealthy_fraction: 0.55,
+            out_of_service_taint: false,
+            resync_interval: Duration::from_secs(5),
+            debounce: Duration::from_millis(50),
+            identity: default_identity(),
+            leader_election: None,
+        }
+    }
+}
+
+/// `<hostname>-<random>`, as a leader identity must be unique per process.
+pub fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "podgc".into());
+    format!("{host}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+impl PodGcConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.max_unhealthy_fraction > 0.0 && self.max_unhealthy_fraction <= 1.0) {
+            return Err("max_unhealthy_fraction must be in (0, 1]".into());
+        }
+        if self.resync_interval.is_zero() {
+            return Err("resync_interval must be > 0".into());
+        }
+        if self.identity.is_empty() {
+            return Err("identity must not be empty".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,366 @@
+//! Node return with real loop devices: the node plugin's recovery releases volumes fenced
+//! away from it and reports the node clean (through podgc's NodeCleanReporter on an
+//! embedded cluster).
+//!
+//! The controller and node-b come from the harness' `Rig`; node-a is served here through
+//! `server::serve_with`, so its recovery loop runs inside the very plugin the "kubelet"
+//! calls (same in-flight locks), with a reporter, and can be stopped and started again as
+//! a node that goes away and comes back.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
+use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
+use fencecsi_cluster::sim::ready_node;
+use fencecsi_cluster::well_known::{NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION};
+use fencecsi_cluster::{Cluster, MetadataPatch};
+use fencecsi_driver::config::Mode;
+use fencecsi_driver::node::recover::{BoxError, CleanReporter, PassReport, RecoveryHandle};
+use fencecsi_driver::server::{serve_with, ServeHooks};
+use fencecsi_podgc::NodeCleanReporter;
+use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::rig::{Placement, Rig};
+use fencecsi_tests::{csi, generation_path, mount_cap, require_root, wait_for_socket, Access, Env};
+use futures::future::BoxFuture;
+use tonic::Code;
+
+/// Records every report and passes it on to the cluster reporter.
+struct Tee {
+    calls: Mutex<Vec<SystemTime>>,
+    inner: NodeCleanReporter,
+}
+
+impl CleanReporter for Tee {
+    fn report_clean<'a>(&'a self, node_id: &'a str, time: SystemTime) -> BoxFuture<'a, Result<bool, BoxError>> {
+        self.calls.lock().unwrap().push(time);
+        self.inner.report_clean(node_id, time)
+    }
+}
+
+struct NodePlugin {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    recovery: RecoveryHandle,
+    client: CsiClient,
+}
+
+impl NodePlugin {
+    async fn start(env: &Env, name: &str, generation: u32, reporter: Arc<dyn CleanReporter>, interval: Duration) -> Self {
+        let mut cfg = env.config(Mode::Node, Some(name), &format!("{name}-{generation}"));
+        cfg.recover_interval = interval;
+        let socket = cfg.socket_path().unwrap();
+        let (rec_tx, rec_rx) = tokio::sync::oneshot::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            serve_with(
+                cfg,
+                async {
+                    let _ = stop_rx.await;
+                },
+                ServeHooks {
+                    clean_reporter: Some(reporter),
+                    recovery: Some(rec_tx),
+                },
+            )
+            .await
+            .expect("node plugin");
+        });
+        let client = wait_for_socket(&socket).await;
+        NodePlugin {
+            stop: Some(stop),
+            task,
+            recovery: rec_rx.await.expect("recovery handle"),
+            client,
+        }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let _ = self.task.await;
+    }
+}
+
+struct Setup {
+    env: Env,
+    rig: Rig,
+    cluster: Cluster,
+    tee: Arc<Tee>,
+}
+
+async fn setup() -> Setup {
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let rig = Rig::start(&env, &["node-b"]).await;
+    let cluster = Cluster::embedded();
+    cluster.api::<Node>(None).create(&ready_node("node-a")).await.unwrap();
+    let tee = Arc::new(Tee {
+        calls: Mutex::new(vec![]),
+        inner: NodeCleanReporter::new(&cluster, "node-a"),
+    });
+    Setup { env, rig, cluster, tee }
+}
+
+fn cap() -> csi::VolumeCapability {
+    mount_cap(Access::SingleNodeWriter, "ext4")
+}
+
+/// podgc's side of the shutdown: quarantined-at on the Node.
+async fn quarantine(cluster: &Cluster) -> Timestamp {
+    let t = Timestamp::now();
+    cluster
+        .api::<Node>(None)
+        .patch_metadata("node-a", &MetadataPatch::new().set_annotation(QUARANTINED_AT_ANNOTATION, &t.to_string()))
+        .await
+        .unwrap();
+    t
+}
+
+async fn clean_annotation(cluster: &Cluster) -> Option<Timestamp> {
+    let n = cluster.api::<Node>(None).get("node-a").await.unwrap();
+    n.metadata.annotations.and_then(|a| a.get(NODE_CLEAN_ANNOTATION).cloned()).map(|s| s.parse().unwrap())
+}
+
+/// Writes and fsyncs a file through the published target.
+fn write_record(p: &Placement, text: &str) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(p.target.join("record")).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// Loop devices attached to a generation's image.
+fn loops_on(env: &Env, vol: &str, gen: u64) -> Vec<PathBuf> {
+    let img = generation_path(env, vol, gen);
+    let mut out = vec![];
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            if PathBuf::from(b.trim().trim_end_matches(" (deleted)")) == img {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+fn assert_released(env: &Env, p: &Placement, gen: u64) {
+    assert_eq!(env.mounts(), Vec::<PathBuf>::new(), "mounts left");
+    assert_eq!(loops_on(env, &p.volume_id, gen), Vec::<PathBuf>::new(), "loop devices left on the fenced generation");
+    assert!(!p.target.exists(), "target {} left", p.target.display());
+    assert!(!p.staging.exists(), "globalmount {} left", p.staging.display());
+}
+
+/// A ControllerPublish to node-a is accepted again, the data fsynced before the fence is
+/// there, then everything is torn down cleanly.
+async fn reattach_and_check(s: &Setup, vol: &str, text: &str) {
+    let p2 = s.rig.attach(&s.env, vol, "node-a", "pod-2", &cap()).await.expect("ControllerPublish to node-a after node return");
+    assert!(p2.generation() > 1, "a new generation after the fence");
+    assert_eq!(std::fs::read_to_string(p2.target.join("record")).unwrap(), text);
+    s.rig.node_teardown(&p2, false).await.unwrap();
+    s.rig.unpublish(vol, "node-a", false).await.unwrap();
+}
+
+async fn wait_report(rec: &RecoveryHandle, want: impl Fn(&PassReport) -> bool) -> PassReport {
+    let mut rx = rec.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Some(r) = rx.borrow_and_update().as_ref() {
+                if want(r) {
+                    return r.clone();
+                }
+            }
+            rx.changed().await.unwrap();
+        }
+    })
+    .await
+    .expect("recovery report in time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_releases_a_fenced_volume_and_reports_the_node_clean() {
+    require_root!();
+    let mut s = setup().await;
+    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::from_millis(300)).await;
+    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
+    let p = s.rig.attach(&s.env, &vol, "node-a", "pod-1", &cap()).await.unwrap();
+    write_record(&p, "before the fence");
+    // Unfenced volumes are never touched by the periodic passes.
+    let r = a.recovery.run_now().await;
+    assert!(r.released.is_empty() && r.clean, "{r:?}");
+    assert!(p.target.join("record").exists());
+
+    // node-a is gone: podgc quarantines, the attacher fences.
+    let qa = quarantine(&s.cluster).await;
+    s.rig.unpublish(&vol, "node-a", true).await.unwrap();
+    // The controller refuses node-a while it still holds the fenced generation.
+    let refused = s.rig.attach(&s.env, &vol, "node-a", "pod-x", &cap()).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+
+    // Node return: the periodic pass releases it.
+    let r = wait_report(&a.recovery, |r| !r.released.is_empty()).await;
+    assert!(r.clean, "{r:?}");
+    assert_eq!(r.released.len(), 1);
+    assert_eq!(r.released[0].volume_id, vol);
+    assert_eq!(r.released[0].generation, p.generation());
+    assert!(r.released[0].unmounted.contains(&p.target) && r.released[0].unmounted.contains(&p.staging), "{r:?}");
+    assert!(matches!(r.reported, Some(Ok(true))), "{r:?}");
+    assert_released(&s.env, &p, p.generation());
+    let clean = clean_annotation(&s.cluster).await.expect("node-clean written");
+    assert!(clean > qa, "{clean} > {qa}");
+    assert!(s.tee.calls.lock().unwrap().len() >= 2);
+    // Later passes have nothing to do and do not rewrite the report.
+    let r = a.recovery.run_now().await;
+    assert!(r.released.is_empty() && r.clean && r.pending.is_empty(), "{r:?}");
+    assert_eq!(clean_annotation(&s.cluster).await, Some(clean));
+
+    reattach_and_check(&s, &vol, "before the fence").await;
+    a.stop().await;
+    s.rig.delete(&vol).await.unwrap();
+    s.rig.stop().await;
+    s.env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_plugin_that_comes_back_releases_at_start() {
+    require_root!();
+    let mut s = setup().await;
+    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::ZERO).await;
+    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
+    let p = s.rig.attach(&s.env, &vol, "node-a", "pod-1", &cap()).await.unwrap();
+    write_record(&p, "kept");
+    // The plugin goes away with the node; meanwhile the volume is fenced away.
+    a.stop().await;
+    quarantine(&s.cluster).await;
+    s.rig.unpublish(&vol, "node-a", true).await.unwrap();
+    // Back: the pass at start releases it.
+    let a = NodePlugin::start(&s.env, "node-a", 2, s.tee.clone(), Duration::ZERO).await;
+    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let r = wait_report(&a.recovery, |r| r.seq == 1).await;
+    assert_eq!(r.released.len(), 1, "{r:?}");
+    assert!(r.clean && matches!(r.reported, Some(Ok(true))), "{r:?}");
+    assert_released(&s.env, &p, p.generation());
+    assert!(clean_annotation(&s.cluster).await.is_some());
+    reattach_and_check(&s, &vol, "kept").await;
+    a.stop().await;
+    s.rig.delete(&vol).await.unwrap();
+    s.rig.stop().await;
+    s.env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_force_teardown_first_then_recovery_finds_nothing() {
+    require_root!();
+    let mut s = setup().await;
+    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::ZERO).await;
+    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
+    let p = s.rig.attach(&s.env, &vol, "node-a", "pod-1", &cap()).await.unwrap();
+    write_record(&p, "kubelet first");
+    let qa = quarantine(&s.cluster).await;
+    s.rig.unpublish(&vol, "node-a", true).await.unwrap();
+    // The returning kubelet cleans up first: NodeUnpublish + NodeUnstage with force.
+    s.rig.node_teardown(&p, true).await.expect("force teardown of a fenced volume");
+    let r = a.recovery.run_now().await;
+    assert!(r.released.is_empty(), "nothing left for recovery: {r:?}");
+    assert!(r.clean && matches!(r.reported, Some(Ok(true))), "{r:?}");
+    assert!(clean_annotation(&s.cluster).await.is_some_and(|c| c > qa));
+    assert_released(&s.env, &p, p.generation());
+    // And the other way round is fine too: the kubelet's calls after recovery are OK.
+    s.rig.node_teardown(&p, true).await.expect("idempotent after cleanup");
+    reattach_and_check(&s, &vol, "kubelet first").await;
+    a.stop().await;
+    s.rig.delete(&vol).await.unwrap();
+    s.rig.stop().await;
+    s.env.assert_clean();
+}
+
+/// Recovery and kubelet calls at the same time: whichever holds the volume's in-flight
+/// lock first works, the other gets ABORTED (the kubelet retries as a CO does) or skips the
+/// volume until its next pass; both end OK and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_racing_kubelet_calls_both_end_ok() {
+    require_root!();
+    let mut s = setup().await;
+    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::ZERO).await;
+    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let mut placements = vec![];
+    for i in 0..3 {
+        let vol = s.rig.create(&format!("pv-{i}"), 64 << 20, &cap()).await.volume_id;
+        let p = s.rig.attach(&s.env, &vol, "node-a", &format!("pod-{i}"), &cap()).await.unwrap();
+        write_record(&p, &format!("record {i}"));
+        placements.push(p);
+    }
+    quarantine(&s.cluster).await;
+    for p in &placements {
+        s.rig.unpublish(&p.volume_id, "node-a", true).await.unwrap();
+    }
+    let mut aborted = 0;
+    let kubelet = {
+        let client = a.client.clone();
+        let ps = placements.clone();
+        tokio::spawn(async move {
+            let mut aborted = 0;
+            for p in &ps {
+                loop {
+                    let r = client.clone().node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                        volume_id: p.volume_id.clone(),
+                        target_path: p.target.to_string_lossy().into(),
+                        force: true,
+                    }).await;
+                    match r {
+                        Ok(_) => break,
+                        Err(e) if e.code() == Code::Aborted => { aborted += 1; tokio::time::sleep(Duration::from_millis(10)).await }
+                        Err(e) => panic!("NodeUnpublish: {e:?}"),
+                    }
+                }
+                loop {
+                    let r = client.clone().node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                        volume_id: p.volume_id.clone(),
+                        staging_target_path: p.staging.to_string_lossy().into(),
+                        force: true,
+                    }).await;
+                    match r {
+                        Ok(_) => break,
+                        Err(e) if e.code() == Code::Aborted => { aborted += 1; tokio::time::sleep(Duration::from_millis(10)).await }
+                        Err(e) => panic!("NodeUnstage: {e:?}"),
+                    }
+                }
+            }
+            aborted
+        })
+    };
+    // Recovery passes until clean (a pass skips volumes the kubelet holds).
+    let mut released = 0;
+    let mut passes = 0;
+    loop {
+        let r = a.recovery.run_now().await;
+        passes += 1;
+        released += r.released.len();
+        for (_, why) in &r.pending {
+            assert!(why.contains("in progress"), "only in-flight conflicts may be pending: {r:?}");
+        }
+        if r.clean {
+            break;
+        }
+        assert!(passes < 200, "recovery never got clean: {r:?}");
+    }
+    aborted += kubelet.await.unwrap();
+    eprintln!("race: recovery released {released}, kubelet calls ABORTED {aborted} times, {passes} passes");
+    let r = a.recovery.run_now().await;
+    assert!(r.clean && r.released.is_empty(), "{r:?}");
+    for p in &placements {
+        assert_released(&s.env, p, p.generation());
+    }
+    for (i, p) in placements.iter().enumerate() {
+        reattach_and_check(&s, &p.volume_id, &format!("record {i}")).await;
+    }
+    a.stop().await;
+    for p in &placements {
+        s.rig.delete(&p.volume_id).await.unwrap();
+    }
+    s.rig.stop().await;
+    s.env.assert_clean();
+}

@@ -1,0 +1,147 @@
+//! The fence's bookkeeping: a fence that cannot be made is refused and
+//! changes nothing; fenced generations, quarantines and holders survive a
+//! controller restart; a fenced generation is deleted once nothing holds it.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fencecsi_driver::config::Mode;
+use fencecsi_tests::rig::Rig;
+use fencecsi_tests::{csi, generation_path, mount_cap, require_root, wait_for_socket, Access, Env};
+use tonic::Code;
+
+async fn volume_status(rig: &Rig, vol: &str) -> csi::controller_get_volume_response::VolumeStatus {
+    rig.controller
+        .clone()
+        .controller
+        .controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: vol.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    // A controller that lacks CAP_LINUX_IMMUTABLE (as in a container that
+    // dropped it) cannot set the flag: it must say so and claim nothing.
+    let cfg = env.config(Mode::Controller, None, "weak-controller");
+    let mut child = Command::new("setpriv")
+        .args(["--bounding-set", "-linux_immutable", "--"])
+        .arg(fencecsi_tests::driver_binary())
+        .args(["--mode", "controller", "--endpoint", &cfg.endpoint])
+        .arg("--state-dir")
+        .arg(&cfg.state_dir)
+        .arg("--kubelet-dir")
+        .arg(&cfg.kubelet_dir)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("setpriv (util-linux) runs the driver");
+    let mut ctl = wait_for_socket(&cfg.socket_path().unwrap()).await;
+    let (node_plugin, mut node) = fencecsi_tests::InProcess::start(env.config(Mode::Node, Some("node-a"), "node-a")).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = ctl
+        .controller
+        .create_volume(csi::CreateVolumeRequest {
+            name: "weak".into(),
+            capacity_range: Some(csi::CapacityRange { required_bytes: 64 << 20, limit_bytes: 0 }),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let ctx = ctl
+        .controller
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), volume_capability: Some(cap.clone()), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    let staging = env.staging_path("node-a", &vol.volume_id);
+    node.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            publish_context: ctx,
+            staging_target_path: staging.to_string_lossy().into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let err = ctl
+        .controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), fence: true, ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("immutable"), "the message says why: {}", err.message());
+    // Nothing changed: still published, generation not frozen, writes still land.
+    let status = ctl.controller.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: vol.volume_id.clone() }).await.unwrap().into_inner().status.unwrap();
+    assert_eq!(status.published_node_ids, vec!["node-a".to_string()]);
+    assert!(!fencecsi_driver::fsops::is_immutable(&generation_path(&env, &vol.volume_id, 1)).unwrap());
+    std::fs::write(staging.join("still-writable"), b"yes").unwrap();
+    std::fs::File::open(staging.join("still-writable")).unwrap().sync_all().expect("the attachment is intact");
+
+    node.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: vol.volume_id.clone(), staging_target_path: staging.to_string_lossy().into(), force: false })
+        .await
+        .unwrap();
+    ctl.controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), ..Default::default() })
+        .await
+        .unwrap();
+    ctl.controller.delete_volume(csi::DeleteVolumeRequest { volume_id: vol.volume_id.clone(), ..Default::default() }).await.unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    node_plugin.stop().await;
+    env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_state_survives_restart_and_released_generations_are_collected() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let mut rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = rig.create("restart", 64 << 20, &cap).await;
+    let a = rig.attach(&env, &vol.volume_id, "node-a", "pod-a", &cap).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", true).await.unwrap();
+    let fenced = generation_path(&env, &vol.volume_id, a.generation());
+
+    rig.restart_controller(&env).await;
+    let status = volume_status(&rig, &vol.volume_id).await;
+    let cond = status.volume_condition.unwrap();
+    assert!(cond.abnormal && cond.message.contains("fenced generation"), "usage detection after restart: {cond:?}");
+    assert!(cond.message.contains("/dev/loop"), "names the holder: {cond:?}");
+    let refused = rig.attach(&env, &vol.volume_id, "node-a", "pod-a2", &cap).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "quarantine survives a restart: {refused:?}");
+
+    let b = rig.attach(&env, &vol.volume_id, "node-b", "pod-b", &cap).await.unwrap();
+    assert!(fenced.exists() && fencecsi_driver::fsops::is_immutable(&fenced).unwrap(), "kept frozen while node A holds it");
+    rig.node_teardown(&a, true).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fenced.exists() {
+        assert!(Instant::now() < deadline, "released fenced generation was not collected");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cond = volume_status(&rig, &vol.volume_id).await.volume_condition.unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+
+    rig.node_teardown(&b, false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-b", false).await.unwrap();
+    let back = rig.attach(&env, &vol.volume_id, "node-a", "pod-a3", &cap).await.expect("node A may have the volume again");
+    rig.node_teardown(&back, false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
+    rig.delete(&vol.volume_id).await.unwrap();
+    rig.stop().await;
+    env.assert_clean();
+}
