@@ -26,7 +26,10 @@ use fencecsi_tests::{block_cap, csi, Access, Env, InProcess};
 use futures::StreamExt;
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn vm_kib(field: &str) -> u64 {
@@ -261,7 +264,9 @@ async fn bench(n: usize, workers: usize) {
         for v in &vols {
             let st = c
                 .controller
-                .controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: v.clone() })
+                .controller_get_volume(csi::ControllerGetVolumeRequest {
+                    volume_id: v.clone(),
+                })
                 .await
                 .unwrap()
                 .into_inner()

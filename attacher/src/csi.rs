@@ -37,7 +37,9 @@ impl Csi {
     }
 
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
-        let mut r = tonic::Request::new(msg);
+        // Say we understand the fence extensions: plugins show
+        // UNPUBLISH_FENCE only to callers that do.
+        let mut r = fencecsi_proto::client::with_extensions(msg);
         r.set_timeout(self.timeout);
         r
     }
@@ -59,10 +61,15 @@ impl Csi {
     pub(crate) async fn plugin_name(&self) -> Result<String, Status> {
         let mut c = self.client.identity.clone();
         let r = self
-            .bounded("GetPluginInfo", c.get_plugin_info(self.request(GetPluginInfoRequest {})))
+            .bounded(
+                "GetPluginInfo",
+                c.get_plugin_info(self.request(GetPluginInfoRequest {})),
+            )
             .await?;
         if r.name.is_empty() {
-            return Err(Status::internal("GetPluginInfo returned an empty driver name"));
+            return Err(Status::internal(
+                "GetPluginInfo returned an empty driver name",
+            ));
         }
         Ok(r.name)
     }
@@ -108,7 +115,10 @@ impl Csi {
             .publish_context)
     }
 
-    pub(crate) async fn unpublish(&self, req: ControllerUnpublishVolumeRequest) -> Result<(), Status> {
+    pub(crate) async fn unpublish(
+        &self,
+        req: ControllerUnpublishVolumeRequest,
+    ) -> Result<(), Status> {
         let mut c = self.client.controller.clone();
         self.bounded(
             "ControllerUnpublishVolume",

@@ -64,13 +64,21 @@ fn respond(req: &Request<Incoming>, metrics: &Metrics, status: &Status) -> Respo
             .expect("static response parts are valid")
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n".into());
+        return reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "GET only\n".into(),
+        );
     }
     match req.uri().path() {
         "/healthz" => {
             // Alive as long as the run loop is: a standby replica is healthy too.
             if status.phase == crate::Phase::Stopped {
-                reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "stopped\n".into())
+                reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    "stopped\n".into(),
+                )
             } else {
                 reply(StatusCode::OK, "text/plain", "ok\n".into())
             }

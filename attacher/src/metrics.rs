@@ -105,7 +105,9 @@ impl Metrics {
 
     pub(crate) fn operation(&self, kind: &'static str, ok: bool, took: Duration) {
         let result = if ok { SUCCESS } else { ERROR };
-        self.operations.get_or_create(&OpLabels { kind, result }).inc();
+        self.operations
+            .get_or_create(&OpLabels { kind, result })
+            .inc();
         self.durations
             .get_or_create(&KindLabels { kind })
             .observe(took.as_secs_f64());
@@ -126,7 +128,9 @@ impl Metrics {
 
     /// Operations of `kind` ([`ATTACH`] / [`DETACH`]) with `result` ([`SUCCESS`] / [`ERROR`]).
     pub fn operations(&self, kind: &'static str, result: &'static str) -> u64 {
-        self.operations.get_or_create(&OpLabels { kind, result }).get()
+        self.operations
+            .get_or_create(&OpLabels { kind, result })
+            .get()
     }
 
     /// Fenced detaches with `result`.

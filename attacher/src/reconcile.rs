@@ -12,9 +12,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
-use fencecsi_cluster::{
-    object_ref, Api, EventRecorder, EventType, ListParams, MetadataPatch,
-};
+use fencecsi_cluster::{object_ref, Api, EventRecorder, EventType, ListParams, MetadataPatch};
 use fencecsi_proto::v1::{ControllerPublishVolumeRequest, ControllerUnpublishVolumeRequest};
 use tonic::Code;
 
@@ -55,7 +53,9 @@ pub(crate) struct Ctx {
 }
 
 fn has_finalizer(meta: &ObjectMeta, f: &str) -> bool {
-    meta.finalizers.as_ref().is_some_and(|fs| fs.iter().any(|x| x == f))
+    meta.finalizers
+        .as_ref()
+        .is_some_and(|fs| fs.iter().any(|x| x == f))
 }
 
 fn now() -> Time {
@@ -99,7 +99,10 @@ impl Ctx {
     }
 
     /// The PV name (if any) and the CSI volume of `va`.
-    async fn volume_of(&self, va: &VolumeAttachment) -> Result<(Option<String>, CsiVolume), String> {
+    async fn volume_of(
+        &self,
+        va: &VolumeAttachment,
+    ) -> Result<(Option<String>, CsiVolume), String> {
         let src = &va.spec.source;
         if let Some(pv_name) = &src.persistent_volume_name {
             let pv = match self.pvs.get_opt(pv_name).await {
@@ -112,7 +115,8 @@ impl Ctx {
                 .map_err(|e| format!("PersistentVolume {pv_name}: {e}"))?;
             Ok((Some(pv_name.clone()), v))
         } else if let Some(spec) = &src.inline_volume_spec {
-            let v = volume::csi_volume(spec, &self.driver).map_err(|e| format!("inline volume: {e}"))?;
+            let v = volume::csi_volume(spec, &self.driver)
+                .map_err(|e| format!("inline volume: {e}"))?;
             Ok((None, v))
         } else {
             Err("spec.source names neither a PersistentVolume nor an inline volume".into())
@@ -170,10 +174,16 @@ impl Ctx {
                     Ok(None) => return Ok(()),
                     Err(e) => return Err(format!("re-reading VolumeAttachment {name}: {e}")),
                 },
-                Err(e) => return Err(format!("writing the status of VolumeAttachment {name}: {e}")),
+                Err(e) => {
+                    return Err(format!(
+                        "writing the status of VolumeAttachment {name}: {e}"
+                    ))
+                }
             }
         }
-        Err(format!("writing the status of VolumeAttachment {name}: too many conflicts"))
+        Err(format!(
+            "writing the status of VolumeAttachment {name}: too many conflicts"
+        ))
     }
 
     fn volume_error(msg: &str, code: Option<Code>) -> VolumeError {
@@ -226,7 +236,11 @@ impl Ctx {
                 Err(e) if e.is_not_found() => return Ok(()),
                 // Deletion started meanwhile: its watch event queues the detach.
                 Err(e) if e.is_invalid() => return Ok(()),
-                Err(e) => return Err(format!("adding the finalizer to VolumeAttachment {name}: {e}")),
+                Err(e) => {
+                    return Err(format!(
+                        "adding the finalizer to VolumeAttachment {name}: {e}"
+                    ))
+                }
             }
         };
 
@@ -237,9 +251,14 @@ impl Ctx {
                 s.attach_error = None;
             })
             .await?;
-            self.event(&va, EventType::Normal, REASON_ATTACHED, format!(
-                "marked attached to node {node}: the plugin has no ControllerPublishVolume"
-            ));
+            self.event(
+                &va,
+                EventType::Normal,
+                REASON_ATTACHED,
+                format!(
+                    "marked attached to node {node}: the plugin has no ControllerPublishVolume"
+                ),
+            );
             return Ok(());
         }
         if !(self.may_act)() {
@@ -269,10 +288,15 @@ impl Ctx {
                 })
                 .await?;
                 tracing::info!(va = %name, volume = %vol.handle, node = %node, node_id = %node_id, ms = took.as_secs_f64() * 1e3, "attached");
-                self.event(&va, EventType::Normal, REASON_ATTACHED, format!(
-                    "volume {} attached to node {node} (CSI node ID {node_id})",
-                    vol.handle
-                ));
+                self.event(
+                    &va,
+                    EventType::Normal,
+                    REASON_ATTACHED,
+                    format!(
+                        "volume {} attached to node {node} (CSI node ID {node_id})",
+                        vol.handle
+                    ),
+                );
                 Ok(())
             }
             Err(s) => {
@@ -301,7 +325,10 @@ impl Ctx {
             .and_then(|e| e.message.as_deref())
             == Some(msg.as_str());
         let err = Self::volume_error(&msg, code);
-        if let Err(e) = self.set_status(va, |s| s.attach_error = Some(err.clone())).await {
+        if let Err(e) = self
+            .set_status(va, |s| s.attach_error = Some(err.clone()))
+            .await
+        {
             tracing::warn!(error = %e, "recording attachError failed");
         }
         if !repeated {
@@ -377,10 +404,12 @@ impl Ctx {
             if fence {
                 self.metrics.fence(true);
                 tracing::warn!(va = %name, volume = %vol.handle, node = %node, reason = %why, "node fenced from the volume");
-                self.event(&va, EventType::Warning, REASON_FENCED, format!(
-                    "node {node} fenced from volume {}: {why}",
-                    vol.handle
-                ));
+                self.event(
+                    &va,
+                    EventType::Warning,
+                    REASON_FENCED,
+                    format!("node {node} fenced from volume {}: {why}", vol.handle),
+                );
             }
             tracing::info!(va = %name, volume = %vol.handle, node = %node, fence, reason = %why, ms = took.as_secs_f64() * 1e3, "detached");
             fenced = Some((vol.handle, fence, why));
@@ -402,17 +431,28 @@ impl Ctx {
         }
         match self
             .vas
-            .patch_metadata(&name, &MetadataPatch::new().remove_finalizer(&self.finalizer))
+            .patch_metadata(
+                &name,
+                &MetadataPatch::new().remove_finalizer(&self.finalizer),
+            )
             .await
         {
             Ok(_) => {}
             Err(e) if e.is_not_found() => {}
-            Err(e) => return Err(format!("removing the finalizer of VolumeAttachment {name}: {e}")),
+            Err(e) => {
+                return Err(format!(
+                    "removing the finalizer of VolumeAttachment {name}: {e}"
+                ))
+            }
         }
         let msg = match &fenced {
             Some((h, true, _)) => format!("volume {h} detached from node {node} with a fence"),
-            Some((h, false, why)) => format!("volume {h} detached from node {node} without a fence ({why})"),
-            None => format!("marked detached from node {node}: the plugin has no ControllerUnpublishVolume"),
+            Some((h, false, why)) => {
+                format!("volume {h} detached from node {node} without a fence ({why})")
+            }
+            None => format!(
+                "marked detached from node {node}: the plugin has no ControllerUnpublishVolume"
+            ),
         };
         self.event(&va, EventType::Normal, REASON_DETACHED, msg);
         if let Some(pv) = pv_name {
@@ -436,7 +476,10 @@ impl Ctx {
             .and_then(|e| e.message.as_deref())
             == Some(msg.as_str());
         let err = Self::volume_error(&msg, code);
-        if let Err(e) = self.set_status(va, |s| s.detach_error = Some(err.clone())).await {
+        if let Err(e) = self
+            .set_status(va, |s| s.detach_error = Some(err.clone()))
+            .await
+        {
             tracing::warn!(error = %e, "recording detachError failed");
         }
         if !repeated {
@@ -470,10 +513,15 @@ impl Ctx {
                     .get_opt(node)
                     .await
                     .map_err(|e| format!("reading Node {node} to decide on a fence: {e}"))?;
-                Ok(match volume::node_may_be_writing(n.as_ref(), &self.driver, handle) {
-                    Some(why) => (true, why),
-                    None => (false, "the node is Ready and does not use the volume".into()),
-                })
+                Ok(
+                    match volume::node_may_be_writing(n.as_ref(), &self.driver, handle) {
+                        Some(why) => (true, why),
+                        None => (
+                            false,
+                            "the node is Ready and does not use the volume".into(),
+                        ),
+                    },
+                )
             }
         }
     }
@@ -482,7 +530,8 @@ impl Ctx {
     fn pv_referenced(&self, pv: &str, except: Option<&str>) -> bool {
         let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
         cache.iter().any(|(n, va)| {
-            Some(n.as_str()) != except && va.spec.source.persistent_volume_name.as_deref() == Some(pv)
+            Some(n.as_str()) != except
+                && va.spec.source.persistent_volume_name.as_deref() == Some(pv)
         })
     }
 
@@ -496,7 +545,9 @@ impl Ctx {
             Err(e) if e.is_not_found() => Err(format!("PersistentVolume {pv} not found")),
             // Deleting already: it keeps the finalizer it has.
             Err(e) if e.is_invalid() => Ok(()),
-            Err(e) => Err(format!("adding the finalizer to PersistentVolume {pv}: {e}")),
+            Err(e) => Err(format!(
+                "adding the finalizer to PersistentVolume {pv}: {e}"
+            )),
         }
     }
 
@@ -508,7 +559,9 @@ impl Ctx {
         {
             Ok(_) => Ok(()),
             Err(e) if e.is_not_found() => Ok(()),
-            Err(e) => Err(format!("removing the finalizer of PersistentVolume {pv}: {e}")),
+            Err(e) => Err(format!(
+                "removing the finalizer of PersistentVolume {pv}: {e}"
+            )),
         }
     }
 
@@ -518,7 +571,9 @@ impl Ctx {
         let fin = self.finalizer.clone();
         let pvs = match self
             .pvs
-            .list_filtered(&ListParams::default(), move |pv| has_finalizer(&pv.metadata, &fin))
+            .list_filtered(&ListParams::default(), move |pv| {
+                has_finalizer(&pv.metadata, &fin)
+            })
             .await
         {
             Ok(p) => p,
@@ -612,7 +667,8 @@ mod tests {
 
     #[test]
     fn own_writes_do_not_requeue() {
-        let should_enqueue = |a: Option<&VolumeAttachment>, b: &VolumeAttachment| super::should_enqueue(a, b, FIN);
+        let should_enqueue =
+            |a: Option<&VolumeAttachment>, b: &VolumeAttachment| super::should_enqueue(a, b, FIN);
         let old = va("1");
         assert!(should_enqueue(None, &old));
         assert!(should_enqueue(Some(&old), &old), "resync (same rv) queues");
@@ -627,7 +683,13 @@ mod tests {
         assert!(!should_enqueue(Some(&old), &err));
         let mut err2 = err.clone();
         err2.metadata.resource_version = Some("3".into());
-        err2.status.as_mut().unwrap().attach_error.as_mut().unwrap().message = Some("again".into());
+        err2.status
+            .as_mut()
+            .unwrap()
+            .attach_error
+            .as_mut()
+            .unwrap()
+            .message = Some("again".into());
         assert!(!should_enqueue(Some(&err), &err2));
         let mut attached = err2.clone();
         attached.metadata.resource_version = Some("4".into());
@@ -639,19 +701,31 @@ mod tests {
 
         let mut ours = va("6");
         ours.metadata.finalizers = Some(vec![FIN.into()]);
-        ours.metadata.annotations = Some([(VA_NODE_ID_ANNOTATION.to_string(), "n1".to_string())].into());
-        assert!(!should_enqueue(Some(&old), &ours), "our finalizer and annotation");
+        ours.metadata.annotations =
+            Some([(VA_NODE_ID_ANNOTATION.to_string(), "n1".to_string())].into());
+        assert!(
+            !should_enqueue(Some(&old), &ours),
+            "our finalizer and annotation"
+        );
         let mut gone = ours.clone();
         gone.metadata.resource_version = Some("7".into());
         gone.metadata.finalizers = None;
-        assert!(should_enqueue(Some(&ours), &gone), "our finalizer removed by someone else");
+        assert!(
+            should_enqueue(Some(&ours), &gone),
+            "our finalizer removed by someone else"
+        );
         let mut other = ours.clone();
         other.metadata.resource_version = Some("8".into());
         other.metadata.finalizers = Some(vec![FIN.into(), "someone/else".into()]);
         assert!(should_enqueue(Some(&ours), &other));
         let mut label = ours.clone();
         label.metadata.resource_version = Some("9".into());
-        label.metadata.annotations.as_mut().unwrap().insert("x".into(), "y".into());
+        label
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert("x".into(), "y".into());
         assert!(should_enqueue(Some(&ours), &label));
     }
 }

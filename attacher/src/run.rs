@@ -64,7 +64,10 @@ impl Session {
         self.background.shutdown().await;
         let drain = async { while self.workers.join_next().await.is_some() {} };
         if tokio::time::timeout(grace, drain).await.is_err() {
-            tracing::warn!(?grace, "in-flight operations did not finish in time; abandoning them");
+            tracing::warn!(
+                ?grace,
+                "in-flight operations did not finish in time; abandoning them"
+            );
             self.workers.shutdown().await;
         }
     }
@@ -92,10 +95,17 @@ async fn worker(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
 }
 
 async fn watch_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
+    // The seam's watch streams re-list internally and do not end; should one end anyway,
+    // start a new one (it begins with a full list, so nothing is missed).
     let mut failures = 0;
-    let mut stream = loop {
+    loop {
         match ctx.vas.watch(&WatchParams::default()) {
-            Ok(s) => break s,
+            Ok(stream) => {
+                failures = 0;
+                consume_watch(&ctx, &queue, stream).await;
+                tracing::warn!("the VolumeAttachment watch ended; watching again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             Err(e) => {
                 failures += 1;
                 let d = ctx.cfg.backoff.delay(failures).min(STARTUP_RETRY_MAX);
@@ -103,7 +113,14 @@ async fn watch_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
                 tokio::time::sleep(d).await;
             }
         }
-    };
+    }
+}
+
+async fn consume_watch(
+    ctx: &Ctx,
+    queue: &WorkQueue,
+    mut stream: fencecsi_cluster::WatchStream<VolumeAttachment>,
+) {
     while let Some(ev) = stream.next().await {
         match ev {
             WatchEvent::Listed(items) => {
@@ -289,7 +306,8 @@ pub(crate) async fn run(
             tracing::info!(namespace = %le.namespace, lease = %lease, identity = %cfg.identity, "leader election on");
             Leadership {
                 handle: Some(Arc::new(elector.spawn())),
-                poll: (le.retry_period / 4).clamp(Duration::from_millis(10), Duration::from_millis(100)),
+                poll: (le.retry_period / 4)
+                    .clamp(Duration::from_millis(10), Duration::from_millis(100)),
             }
         }
         None => Leadership {
@@ -309,7 +327,11 @@ pub(crate) async fn run(
         csi,
         caps: RwLock::new(caps),
         metrics: metrics.clone(),
-        events: Arc::new(EventRecorder::new(&cluster, REPORTING_CONTROLLER, &cfg.identity)),
+        events: Arc::new(EventRecorder::new(
+            &cluster,
+            REPORTING_CONTROLLER,
+            &cfg.identity,
+        )),
         vas: cluster.api(None),
         pvs: cluster.api(None),
         nodes: cluster.api(None),

@@ -123,15 +123,25 @@ pub(crate) fn in_use_name(driver: &str, handle: &str) -> String {
 /// Why the node may still be writing to the volume, or `None` when it certainly is not
 /// (Ready, untainted, and not listing the volume as in use). `node` is `None` when the
 /// Node object is gone.
-pub(crate) fn node_may_be_writing(node: Option<&Node>, driver: &str, handle: &str) -> Option<String> {
+pub(crate) fn node_may_be_writing(
+    node: Option<&Node>,
+    driver: &str,
+    handle: &str,
+) -> Option<String> {
     let Some(node) = node else {
         return Some("the Node object is gone".into());
     };
-    if let Some(t) = node.spec.as_ref().and_then(|s| s.taints.as_ref()).and_then(|ts| {
-        ts.iter().find(|t| {
-            t.key == well_known::QUARANTINE_TAINT_KEY || t.key == well_known::OUT_OF_SERVICE_TAINT_KEY
+    if let Some(t) = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .and_then(|ts| {
+            ts.iter().find(|t| {
+                t.key == well_known::QUARANTINE_TAINT_KEY
+                    || t.key == well_known::OUT_OF_SERVICE_TAINT_KEY
+            })
         })
-    }) {
+    {
         return Some(format!("the node has the {} taint", t.key));
     }
     let status = node.status.as_ref();
@@ -146,7 +156,7 @@ pub(crate) fn node_may_be_writing(node: Option<&Node>, driver: &str, handle: &st
     let name = in_use_name(driver, handle);
     if status
         .and_then(|s| s.volumes_in_use.as_ref())
-        .is_some_and(|v| v.iter().any(|x| *x == name))
+        .is_some_and(|v| v.contains(&name))
     {
         return Some("the node still lists the volume in status.volumesInUse".into());
     }
@@ -170,13 +180,22 @@ mod tests {
 
     #[test]
     fn access_modes_map_to_csi() {
-        assert_eq!(access_mode(&modes(&["ReadWriteOnce"])).unwrap(), AccessMode::SingleNodeWriter);
+        assert_eq!(
+            access_mode(&modes(&["ReadWriteOnce"])).unwrap(),
+            AccessMode::SingleNodeWriter
+        );
         assert_eq!(
             access_mode(&modes(&["ReadWriteOncePod"])).unwrap(),
             AccessMode::SingleNodeSingleWriter
         );
-        assert_eq!(access_mode(&modes(&["ReadOnlyMany"])).unwrap(), AccessMode::MultiNodeReaderOnly);
-        assert_eq!(access_mode(&modes(&["ReadWriteMany"])).unwrap(), AccessMode::MultiNodeMultiWriter);
+        assert_eq!(
+            access_mode(&modes(&["ReadOnlyMany"])).unwrap(),
+            AccessMode::MultiNodeReaderOnly
+        );
+        assert_eq!(
+            access_mode(&modes(&["ReadWriteMany"])).unwrap(),
+            AccessMode::MultiNodeMultiWriter
+        );
         assert_eq!(
             access_mode(&modes(&["ReadWriteOnce", "ReadOnlyMany"])).unwrap(),
             AccessMode::MultiNodeSingleWriter
@@ -216,7 +235,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let b = csi_volume(&spec(true), D).unwrap();
-        assert!(matches!(b.capability.access_type, Some(AccessType::Block(_))));
+        assert!(matches!(
+            b.capability.access_type,
+            Some(AccessType::Block(_))
+        ));
         assert!(csi_volume(&spec(false), "other.example.com").is_err());
         assert!(csi_volume(&PersistentVolumeSpec::default(), D).is_err());
     }
@@ -259,13 +281,19 @@ mod tests {
     #[test]
     fn writing_nodes_are_recognised() {
         let h = "vol-1";
-        assert_eq!(node_may_be_writing(Some(&node("True", None, &[])), D, h), None);
+        assert_eq!(
+            node_may_be_writing(Some(&node("True", None, &[])), D, h),
+            None
+        );
         assert!(node_may_be_writing(None, D, h).unwrap().contains("gone"));
         assert!(node_may_be_writing(Some(&node("Unknown", None, &[])), D, h)
             .unwrap()
             .contains("not Ready"));
         assert!(node_may_be_writing(Some(&node("False", None, &[])), D, h).is_some());
-        for t in [well_known::QUARANTINE_TAINT_KEY, well_known::OUT_OF_SERVICE_TAINT_KEY] {
+        for t in [
+            well_known::QUARANTINE_TAINT_KEY,
+            well_known::OUT_OF_SERVICE_TAINT_KEY,
+        ] {
             assert!(node_may_be_writing(Some(&node("True", Some(t), &[])), D, h)
                 .unwrap()
                 .contains(t));
@@ -276,11 +304,21 @@ mod tests {
         );
         let listed = in_use_name(D, h);
         assert_eq!(listed, "kubernetes.io/csi/loop.fencecsi.io^vol-1");
-        assert!(node_may_be_writing(Some(&node("True", None, &[&listed])), D, h)
-            .unwrap()
-            .contains("volumesInUse"));
+        assert!(
+            node_may_be_writing(Some(&node("True", None, &[&listed])), D, h)
+                .unwrap()
+                .contains("volumesInUse")
+        );
         assert_eq!(
-            node_may_be_writing(Some(&node("True", None, &["kubernetes.io/csi/loop.fencecsi.io^vol-2"])), D, h),
+            node_may_be_writing(
+                Some(&node(
+                    "True",
+                    None,
+                    &["kubernetes.io/csi/loop.fencecsi.io^vol-2"]
+                )),
+                D,
+                h
+            ),
             None
         );
         let mut no_cond = node("True", None, &[]);
@@ -311,7 +349,10 @@ mod tests {
         assert_eq!(node_id_from_csinode(&cn, D).as_deref(), Some("node-a"));
         assert_eq!(node_id_from_csinode(&cn, "missing"), None);
         let n = node("True", None, &[]);
-        assert_eq!(node_id_from_annotation(&n, D).as_deref(), Some("id-from-annotation"));
+        assert_eq!(
+            node_id_from_annotation(&n, D).as_deref(),
+            Some("id-from-annotation")
+        );
         assert_eq!(node_id_from_annotation(&n, "other"), None);
     }
 }

@@ -38,7 +38,10 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
     let code = out[9..12].parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (code, body)
 }
 
@@ -103,7 +106,11 @@ impl Setup {
             .unwrap();
         let va = va(pv_name, &handle, node);
         let name = va.metadata.name.clone().unwrap();
-        self.cluster.api::<VolumeAttachment>(None).create(&va).await.unwrap();
+        self.cluster
+            .api::<VolumeAttachment>(None)
+            .create(&va)
+            .await
+            .unwrap();
         (handle, name)
     }
 
@@ -129,13 +136,26 @@ async fn attach_then_detach_without_fence_on_a_ready_node() {
     let st = va.status.clone().unwrap();
     assert_eq!(st.attach_error, None);
     let meta = st.attachment_metadata.expect("attachmentMetadata");
-    assert_eq!(meta.get(CTX_GENERATION).map(String::as_str), Some("1"), "{meta:?}");
+    assert_eq!(
+        meta.get(CTX_GENERATION).map(String::as_str),
+        Some("1"),
+        "{meta:?}"
+    );
     assert_eq!(
         va.metadata.annotations.as_ref().unwrap()[VA_NODE_ID_ANNOTATION],
         "node-a"
     );
-    let pv = s.cluster.api::<PersistentVolume>(None).get("pv-1").await.unwrap();
-    assert_eq!(finalizers(&pv), vec![fin()], "the PV is held while attached");
+    let pv = s
+        .cluster
+        .api::<PersistentVolume>(None)
+        .get("pv-1")
+        .await
+        .unwrap();
+    assert_eq!(
+        finalizers(&pv),
+        vec![fin()],
+        "the PV is held while attached"
+    );
     assert_eq!(published_nodes(&s.client, &handle).await, vec!["node-a"]);
     wait_event(&s.cluster, &name, REASON_ATTACHED).await;
 
@@ -145,7 +165,8 @@ async fn attach_then_detach_without_fence_on_a_ready_node() {
     let (code, metrics) = http_get(addr, "/metrics").await;
     assert_eq!(code, 200);
     assert!(
-        metrics.contains("fencecsi_attacher_operations_total{kind=\"attach\",result=\"success\"} 1"),
+        metrics
+            .contains("fencecsi_attacher_operations_total{kind=\"attach\",result=\"success\"} 1"),
         "{metrics}"
     );
     assert!(metrics.contains("fencecsi_attacher_active 1"), "{metrics}");
@@ -159,9 +180,21 @@ async fn attach_then_detach_without_fence_on_a_ready_node() {
         .unwrap();
     wait_gone(&s.cluster, &name, T).await;
     assert!(published_nodes(&s.client, &handle).await.is_empty());
-    let pv = s.cluster.api::<PersistentVolume>(None).get("pv-1").await.unwrap();
-    assert!(finalizers(&pv).is_empty(), "PV finalizer released: {:?}", finalizers(&pv));
-    assert!(!is_immutable(&generation_path(&s.env, &handle, 1)).unwrap(), "no fence on a Ready node");
+    let pv = s
+        .cluster
+        .api::<PersistentVolume>(None)
+        .get("pv-1")
+        .await
+        .unwrap();
+    assert!(
+        finalizers(&pv).is_empty(),
+        "PV finalizer released: {:?}",
+        finalizers(&pv)
+    );
+    assert!(
+        !is_immutable(&generation_path(&s.env, &handle, 1)).unwrap(),
+        "no fence on a Ready node"
+    );
     let reasons = wait_event(&s.cluster, &name, REASON_DETACHED).await;
     assert!(!reasons.iter().any(|r| r == REASON_FENCED), "{reasons:?}");
     assert_eq!(a.metrics().operations(DETACH, SUCCESS), 1);
@@ -185,15 +218,21 @@ async fn detach_fences_a_node_that_may_still_write() {
     let (h2, va2) = s.volume_and_va("pv-inuse", "node-a").await;
     let a1 = wait_attached(&s.cluster, &va1, T).await;
     wait_attached(&s.cluster, &va2, T).await;
-    let gen1: u64 = a1.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION].parse().unwrap();
+    let gen1: u64 = a1.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION]
+        .parse()
+        .unwrap();
 
     let nodes = s.cluster.api::<Node>(None);
     let mut n = nodes.get("node-a").await.unwrap();
-    n.status.as_mut().unwrap().volumes_in_use = Some(vec![format!("kubernetes.io/csi/{DRIVER}^{h2}")]);
+    n.status.as_mut().unwrap().volumes_in_use =
+        Some(vec![format!("kubernetes.io/csi/{DRIVER}^{h2}")]);
     nodes.replace_status(&n).await.unwrap();
     vas.delete(&va2, &DeleteOptions::default()).await.unwrap();
     wait_gone(&s.cluster, &va2, T).await;
-    assert!(is_immutable(&generation_path(&s.env, &h2, 1)).unwrap(), "volume in use: fenced");
+    assert!(
+        is_immutable(&generation_path(&s.env, &h2, 1)).unwrap(),
+        "volume in use: fenced"
+    );
     wait_event(&s.cluster, &va2, REASON_FENCED).await;
 
     set_ready(&s.cluster, "node-a", false).await;
@@ -230,11 +269,19 @@ async fn detach_fences_a_node_that_may_still_write() {
     vas.create(&va3).await.unwrap();
     let name3 = va3.metadata.name.clone().unwrap();
     let attached = wait_attached(&s.cluster, &name3, T).await;
-    let gen3: u64 = attached.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION].parse().unwrap();
-    assert!(gen3 > gen1, "a new generation after the fence ({gen3} > {gen1})");
+    let gen3: u64 = attached.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION]
+        .parse()
+        .unwrap();
+    assert!(
+        gen3 > gen1,
+        "a new generation after the fence ({gen3} > {gen1})"
+    );
     vas.delete(&name3, &DeleteOptions::default()).await.unwrap();
     wait_gone(&s.cluster, &name3, T).await;
-    assert!(!is_immutable(&generation_path(&s.env, &h1, gen3)).unwrap(), "--fence=never");
+    assert!(
+        !is_immutable(&generation_path(&s.env, &h1, gen3)).unwrap(),
+        "--fence=never"
+    );
     assert_eq!(b.metrics().fences(SUCCESS), 0);
     b.shutdown().await.unwrap();
     s.finish().await;
@@ -272,8 +319,13 @@ async fn publish_failures_are_retried_with_growing_backoff_until_the_node_regist
     let mut errors: Vec<(Duration, String)> = Vec::new();
     let mut last_time = None;
     while errors.len() < 5 {
-        let ev = tokio::time::timeout(T, watch.next()).await.expect("event").unwrap();
-        let (WatchEvent::Added(v) | WatchEvent::Modified(v)) = ev else { continue };
+        let ev = tokio::time::timeout(T, watch.next())
+            .await
+            .expect("event")
+            .unwrap();
+        let (WatchEvent::Added(v) | WatchEvent::Modified(v)) = ev else {
+            continue;
+        };
         if let Some(e) = v.status.and_then(|s| s.attach_error) {
             if e.time != last_time {
                 last_time = e.time.clone();
@@ -281,13 +333,22 @@ async fn publish_failures_are_retried_with_growing_backoff_until_the_node_regist
             }
         }
     }
-    assert!(errors[0].1.contains("NotFound") && errors[0].1.contains("node-b"), "{errors:?}");
+    assert!(
+        errors[0].1.contains("NotFound") && errors[0].1.contains("node-b"),
+        "{errors:?}"
+    );
     let gaps: Vec<Duration> = errors.windows(2).map(|w| w[1].0 - w[0].0).collect();
-    eprintln!("attachError written at {:?}; gaps {gaps:?}", errors.iter().map(|e| e.0).collect::<Vec<_>>());
+    eprintln!(
+        "attachError written at {:?}; gaps {gaps:?}",
+        errors.iter().map(|e| e.0).collect::<Vec<_>>()
+    );
     // 100, 200, 400, 800 ms: each retry waits twice as long (with scheduling slack).
     for (i, g) in gaps.iter().enumerate() {
         let want = Duration::from_millis(100 << i);
-        assert!(*g >= want - want / 10, "retry {i} came too early: gaps {gaps:?}");
+        assert!(
+            *g >= want - want / 10,
+            "retry {i} came too early: gaps {gaps:?}"
+        );
         assert!(*g < want * 2, "retry {i} came too late: gaps {gaps:?}");
     }
     assert!(a.metrics().operations(ATTACH, ERROR) >= 4);
@@ -330,8 +391,12 @@ async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
     let pvs = cluster.api::<PersistentVolume>(None);
     let h1 = create_volume(&client, "pv-r1", true).await;
     let h2 = create_volume(&client, "pv-r2", true).await;
-    pvs.create(&pv("pv-r1", &h1, true, "ReadWriteOnce")).await.unwrap();
-    pvs.create(&pv("pv-r2", &h2, true, "ReadWriteOnce")).await.unwrap();
+    pvs.create(&pv("pv-r1", &h1, true, "ReadWriteOnce"))
+        .await
+        .unwrap();
+    pvs.create(&pv("pv-r2", &h2, true, "ReadWriteOnce"))
+        .await
+        .unwrap();
     let va1 = va("pv-r1", &h1, "node-a");
     vas.create(&va1).await.unwrap();
     wait_attached(&cluster, va1.metadata.name.as_deref().unwrap(), T).await;
@@ -354,7 +419,10 @@ async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
         }
     })
     .await;
-    assert!(err.contains("Unavailable") || err.contains("DeadlineExceeded"), "{err}");
+    assert!(
+        err.contains("Unavailable") || err.contains("DeadlineExceeded"),
+        "{err}"
+    );
 
     // ...and retried until the plugin is back.
     let (plugin, client) = InProcess::start(cfg_plugin).await;
@@ -363,9 +431,12 @@ async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
     assert_eq!(published_nodes(&client, &h2).await, vec!["node-a"]);
 
     for v in [&va1, &va2] {
-        vas.delete(v.metadata.name.as_deref().unwrap(), &DeleteOptions::default())
-            .await
-            .unwrap();
+        vas.delete(
+            v.metadata.name.as_deref().unwrap(),
+            &DeleteOptions::default(),
+        )
+        .await
+        .unwrap();
     }
     wait_gone(&cluster, va1.metadata.name.as_deref().unwrap(), T).await;
     wait_gone(&cluster, &name2, T).await;
@@ -384,7 +455,9 @@ async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
     assert!(a.wait_active(T).await);
     let (handle, name) = s.volume_and_va("pv-k", "node-a").await;
     let attached = wait_attached(&s.cluster, &name, T).await;
-    let gen: u64 = attached.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION].parse().unwrap();
+    let gen: u64 = attached.status.unwrap().attachment_metadata.unwrap()[CTX_GENERATION]
+        .parse()
+        .unwrap();
 
     // The node stops answering; the VolumeAttachment is deleted; the detach (with
     // fence) is sent but held in flight; the attacher dies.
@@ -392,11 +465,18 @@ async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
     proxy.set_open(false);
     let vas = s.cluster.api::<VolumeAttachment>(None);
     vas.delete(&name, &DeleteOptions::default()).await.unwrap();
-    eventually(T, "the unpublish call in flight", || async { (proxy.held_bytes() > 0).then_some(()) }).await;
+    eventually(T, "the unpublish call in flight", || async {
+        (proxy.held_bytes() > 0).then_some(())
+    })
+    .await;
     a.abort().await;
     drop(proxy);
     let v = vas.get(&name).await.unwrap();
-    assert_eq!(finalizers(&v), vec![fin()], "still held: the detach never finished");
+    assert_eq!(
+        finalizers(&v),
+        vec![fin()],
+        "still held: the detach never finished"
+    );
     assert_eq!(published_nodes(&s.client, &handle).await, vec!["node-a"]);
     assert!(!is_immutable(&generation_path(&s.env, &handle, gen)).unwrap());
 
@@ -405,9 +485,17 @@ async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
     assert!(b.wait_active(T).await);
     wait_gone(&s.cluster, &name, T).await;
     assert!(published_nodes(&s.client, &handle).await.is_empty());
-    assert!(is_immutable(&generation_path(&s.env, &handle, gen)).unwrap(), "fenced by the new instance");
+    assert!(
+        is_immutable(&generation_path(&s.env, &handle, gen)).unwrap(),
+        "fenced by the new instance"
+    );
     assert_eq!(b.metrics().fences(SUCCESS), 1);
-    let pv = s.cluster.api::<PersistentVolume>(None).get("pv-k").await.unwrap();
+    let pv = s
+        .cluster
+        .api::<PersistentVolume>(None)
+        .get("pv-k")
+        .await
+        .unwrap();
     assert!(finalizers(&pv).is_empty());
     b.shutdown().await.unwrap();
     s.finish().await;
@@ -453,11 +541,18 @@ async fn with_leader_election_one_replica_acts_and_another_takes_over() {
             }
         })
     };
-    let active = |i: usize| slots.lock().unwrap()[i].as_ref().is_some_and(|h| h.is_active());
+    let active = |i: usize| {
+        slots.lock().unwrap()[i]
+            .as_ref()
+            .is_some_and(|h| h.is_active())
+    };
     eventually(T, "replica a active", || async { active(0).then_some(()) }).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(!active(1), "replica b must stand by");
-    assert_eq!(slots.lock().unwrap()[1].as_ref().unwrap().status().phase, Phase::Standby);
+    assert_eq!(
+        slots.lock().unwrap()[1].as_ref().unwrap().status().phase,
+        Phase::Standby
+    );
 
     let (handle, name) = s.volume_and_va("pv-le", "node-a").await;
     wait_attached(&s.cluster, &name, T).await;
@@ -471,7 +566,11 @@ async fn with_leader_election_one_replica_acts_and_another_takes_over() {
     let t = Instant::now();
     a.shutdown().await.unwrap();
     eventually(T, "replica b active", || async { active(1).then_some(()) }).await;
-    assert!(t.elapsed() < Duration::from_millis(1500), "takeover after release took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "takeover after release took {:?}",
+        t.elapsed()
+    );
     s.cluster
         .api::<VolumeAttachment>(None)
         .delete(&name, &DeleteOptions::default())
@@ -488,13 +587,19 @@ async fn with_leader_election_one_replica_acts_and_another_takes_over() {
     b.abort().await;
     eventually(T, "replica c active", || async { active(0).then_some(()) }).await;
     let took = t.elapsed();
-    assert!(took >= Duration::from_millis(1000), "took over before the lease expired: {took:?}");
+    assert!(
+        took >= Duration::from_millis(1000),
+        "took over before the lease expired: {took:?}"
+    );
     let (_, name2) = s.volume_and_va("pv-le2", "node-a").await;
     wait_attached(&s.cluster, &name2, T).await;
 
     stop.store(true, Ordering::SeqCst);
     sampler.await.unwrap();
-    assert!(!both_active.load(Ordering::SeqCst), "two replicas were active at once");
+    assert!(
+        !both_active.load(Ordering::SeqCst),
+        "two replicas were active at once"
+    );
     let c = slots.lock().unwrap()[0].take().unwrap();
     s.cluster
         .api::<VolumeAttachment>(None)
@@ -517,7 +622,9 @@ async fn volume_attachments_of_other_drivers_are_never_touched() {
     let other = "other.example.com";
     let pvs = s.cluster.api::<PersistentVolume>(None);
     let vas = s.cluster.api::<VolumeAttachment>(None);
-    pvs.create(&pv_of("pv-other", "handle-x", true, "ReadWriteOnce", other)).await.unwrap();
+    pvs.create(&pv_of("pv-other", "handle-x", true, "ReadWriteOnce", other))
+        .await
+        .unwrap();
     let foreign = va_of("pv-other", "handle-x", "node-a", other);
     let foreign_name = foreign.metadata.name.clone().unwrap();
     vas.create(&foreign).await.unwrap();
@@ -532,7 +639,9 @@ async fn volume_attachments_of_other_drivers_are_never_touched() {
     assert!(finalizers(&pvs.get("pv-other").await.unwrap()).is_empty());
     assert!(event_reasons(&s.cluster, &foreign_name).await.is_empty());
     // Deleting it is not held up by us.
-    vas.delete(&foreign_name, &DeleteOptions::default()).await.unwrap();
+    vas.delete(&foreign_name, &DeleteOptions::default())
+        .await
+        .unwrap();
     assert!(vas.get_opt(&foreign_name).await.unwrap().is_none());
     assert_eq!(a.metrics().operations(ATTACH, SUCCESS), 1);
 
@@ -540,6 +649,130 @@ async fn volume_attachments_of_other_drivers_are_never_touched() {
     wait_gone(&s.cluster, &ours, T).await;
     a.shutdown().await.unwrap();
     s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_in_flight_calls_within_the_grace() {
+    require_root!();
+    let s = Setup::new().await;
+    let proxy = GatedProxy::start(s.env.socket("proxy"), s.socket());
+    let vas = s.cluster.api::<VolumeAttachment>(None);
+
+    // 1: a detach in flight when the shutdown starts completes, then the instance stops.
+    let mut a = spawn(s.cluster.clone(), test_config(&proxy.socket));
+    assert!(a.wait_active(T).await);
+    let (handle, name) = s.volume_and_va("pv-g1", "node-a").await;
+    wait_attached(&s.cluster, &name, T).await;
+    proxy.set_open(false);
+    vas.delete(&name, &DeleteOptions::default()).await.unwrap();
+    eventually(T, "the unpublish call in flight", || async {
+        (proxy.held_bytes() > 0).then_some(())
+    })
+    .await;
+    let stopping = tokio::spawn(a.shutdown());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !stopping.is_finished(),
+        "shutdown must wait for the in-flight call"
+    );
+    proxy.set_open(true);
+    tokio::time::timeout(T, stopping)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(
+        vas.get_opt(&name).await.unwrap().is_none(),
+        "the in-flight detach finished"
+    );
+    assert!(published_nodes(&s.client, &handle).await.is_empty());
+
+    // 2: one that does not complete within the grace is abandoned (and left to the next
+    // instance: the finalizer stays).
+    let mut cfg = test_config(&proxy.socket);
+    cfg.shutdown_grace = Duration::from_millis(300);
+    let mut b = spawn(s.cluster.clone(), cfg);
+    assert!(b.wait_active(T).await);
+    let (handle2, name2) = s.volume_and_va("pv-g2", "node-a").await;
+    wait_attached(&s.cluster, &name2, T).await;
+    proxy.set_open(false);
+    let held = proxy.held_bytes();
+    vas.delete(&name2, &DeleteOptions::default()).await.unwrap();
+    eventually(T, "the second unpublish in flight", || async {
+        (proxy.held_bytes() > held).then_some(())
+    })
+    .await;
+    let t = Instant::now();
+    b.shutdown().await.unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "bounded by the grace: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(finalizers(&vas.get(&name2).await.unwrap()), vec![fin()]);
+    drop(proxy);
+    let c = spawn(s.cluster.clone(), test_config(&s.socket()));
+    wait_gone(&s.cluster, &name2, T).await;
+    assert!(published_nodes(&s.client, &handle2).await.is_empty());
+    c.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_id_from_the_node_annotation_and_a_fenced_detach_after_the_node_is_gone() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let (plugin, client) = InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await;
+    let cluster = Cluster::embedded();
+    // No CSINode: only the Node's csi.volume.kubernetes.io/nodeid annotation names the ID.
+    let mut n = node("kube-node-7", true);
+    n.metadata.annotations = Some(
+        [(
+            well_known::NODE_ID_ANNOTATION.to_string(),
+            format!(r#"{{"{DRIVER}":"node-a","other.example.com":"x"}}"#),
+        )]
+        .into(),
+    );
+    let nodes = cluster.api::<Node>(None);
+    nodes.create(&n).await.unwrap();
+    let mut a = spawn(cluster.clone(), test_config(&env.socket("all")));
+    assert!(a.wait_active(T).await);
+    let handle = create_volume(&client, "pv-ann", true).await;
+    cluster
+        .api::<PersistentVolume>(None)
+        .create(&pv("pv-ann", &handle, true, "ReadWriteOnce"))
+        .await
+        .unwrap();
+    let v = va("pv-ann", &handle, "kube-node-7");
+    let name = v.metadata.name.clone().unwrap();
+    let vas = cluster.api::<VolumeAttachment>(None);
+    vas.create(&v).await.unwrap();
+    let attached = wait_attached(&cluster, &name, T).await;
+    assert_eq!(
+        attached.metadata.annotations.unwrap()[VA_NODE_ID_ANNOTATION],
+        "node-a"
+    );
+    assert_eq!(published_nodes(&client, &handle).await, vec!["node-a"]);
+
+    // The Node object goes away (the node was deleted): the detach still knows the node
+    // ID from the VolumeAttachment, and fences.
+    nodes
+        .delete("kube-node-7", &DeleteOptions::default())
+        .await
+        .unwrap();
+    vas.delete(&name, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&cluster, &name, T).await;
+    assert!(published_nodes(&client, &handle).await.is_empty());
+    assert!(
+        is_immutable(&generation_path(&env, &handle, 1)).unwrap(),
+        "node gone: fenced"
+    );
+    wait_event(&cluster, &name, REASON_FENCED).await;
+    wait_event(&cluster, &name, REASON_DETACHED).await;
+    a.shutdown().await.unwrap();
+    plugin.stop().await;
+    env.assert_clean();
 }
 
 #[test]

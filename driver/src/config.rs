@@ -25,6 +25,30 @@ impl Mode {
     }
 }
 
+/// When the fence extensions (UNPUBLISH_FENCE, FORCE_UNPUBLISH) are advertised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Extensions {
+    /// Only to callers that send the `x-fencecsi-extensions` request header
+    /// (fencecsi's attacher does): standard COs, sidecars and conformance
+    /// suites that reject unknown capability values see a standard driver.
+    Negotiated,
+    /// To every caller.
+    Always,
+    /// To nobody (the RPCs still honour `fence`/`force` if sent).
+    Never,
+}
+
+impl Extensions {
+    /// Whether a request with these headers sees the extensions.
+    pub fn shown(self, metadata: &tonic::metadata::MetadataMap) -> bool {
+        match self {
+            Extensions::Always => true,
+            Extensions::Never => false,
+            Extensions::Negotiated => metadata.contains_key(fencecsi_proto::client::EXTENSIONS_HEADER),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -69,9 +93,16 @@ pub struct Config {
     #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
     pub default_fs_type: String,
 
-    /// Attach loop devices with direct I/O (falls back to buffered where refused).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// Attach loop devices with direct I/O to the image. Off by default:
+    /// measured on this project's machines, a buffered loop device does
+    /// random 4 KiB writes 2-3x faster, and durability is the same (a flush
+    /// on the loop device fsyncs the image). The fence holds in both modes.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub direct_io: bool,
+
+    /// When to advertise the fence extension capabilities (numbered 1000).
+    #[arg(long, value_enum, default_value = "negotiated")]
+    pub advertise_extensions: Extensions,
 
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
@@ -165,7 +196,8 @@ impl Config {
             driver_name: DEFAULT_DRIVER_NAME.to_string(),
             max_volumes_per_node: 64,
             default_fs_type: "ext4".into(),
-            direct_io: true,
+            direct_io: false,
+            advertise_extensions: Extensions::Negotiated,
             log_format: LogFormat::Text,
             gc_interval_secs: 10,
             // Off for tests and embedders unless they ask: a background pass would race

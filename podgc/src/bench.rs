@@ -30,8 +30,7 @@ use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMet
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::{
-    volume_attachment_name, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY,
-    SAFE_DETACH_ANNOTATION,
+    volume_attachment_name, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY, SAFE_DETACH_ANNOTATION,
 };
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
 
@@ -133,8 +132,16 @@ fn median(v: &[Duration]) -> Duration {
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "podgc benchmark (embedded cluster)")?;
-        writeln!(f, "  cluster: {} nodes, {} pods, {} PVs/PVCs, {} VolumeAttachments; loaded in {:.1?}", self.nodes, self.pods, self.pvs, self.vas, self.load_time)?;
-        writeln!(f, "  memory: RSS {:.0} MiB before loading, {:.0} MiB after (peak {:.0} MiB)", self.rss_before_load_mib, self.rss_after_load_mib, self.hwm_load_mib)?;
+        writeln!(
+            f,
+            "  cluster: {} nodes, {} pods, {} PVs/PVCs, {} VolumeAttachments; loaded in {:.1?}",
+            self.nodes, self.pods, self.pvs, self.vas, self.load_time
+        )?;
+        writeln!(
+            f,
+            "  memory: RSS {:.0} MiB before loading, {:.0} MiB after (peak {:.0} MiB)",
+            self.rss_before_load_mib, self.rss_after_load_mib, self.hwm_load_mib
+        )?;
         writeln!(f, "  podgc: caches synced in {:.1?}; peak RSS while syncing and acting {:.0} MiB (RSS after: {:.0} MiB)", self.podgc_sync_time, self.hwm_podgc_mib, self.rss_podgc_mib)?;
         for r in &self.podgc {
             writeln!(f, "    podgc  {}: {} pods force-deleted, {} VolumeAttachments deleted, {} pods left alone, in {:.1?}", r.node, r.pods_deleted, r.vas_deleted, r.pods_left, r.latency)?;
@@ -144,8 +151,16 @@ impl fmt::Display for BenchReport {
         }
         let p = median(&self.podgc.iter().map(|r| r.latency).collect::<Vec<_>>());
         let n = median(&self.naive.iter().map(|r| r.latency).collect::<Vec<_>>());
-        writeln!(f, "  median time to force-delete + detach: podgc {:.1?}, naive full-list scan {:.1?}", p, n)?;
-        writeln!(f, "  peak RSS: after loading {:.0} MiB; podgc phase {:.0} MiB; naive phase {:.0} MiB", self.hwm_load_mib, self.hwm_podgc_mib, self.hwm_naive_mib)?;
+        writeln!(
+            f,
+            "  median time to force-delete + detach: podgc {:.1?}, naive full-list scan {:.1?}",
+            p, n
+        )?;
+        writeln!(
+            f,
+            "  peak RSS: after loading {:.0} MiB; podgc phase {:.0} MiB; naive phase {:.0} MiB",
+            self.hwm_load_mib, self.hwm_podgc_mib, self.hwm_naive_mib
+        )?;
         Ok(())
     }
 }
@@ -174,7 +189,8 @@ pub async fn load(cluster: &Cluster, a: &BenchArgs) -> anyhow::Result<(usize, us
             },
         };
         if safe {
-            d.metadata.annotations = Some([(SAFE_DETACH_ANNOTATION.to_string(), "true".to_string())].into());
+            d.metadata.annotations =
+                Some([(SAFE_DETACH_ANNOTATION.to_string(), "true".to_string())].into());
         }
         drivers.create(&d).await?;
     }
@@ -288,7 +304,10 @@ pub async fn take_down(cluster: &Cluster, node: &str, grace: Duration) -> anyhow
         let ns = p.metadata.namespace.clone().unwrap_or_default();
         cluster
             .api::<Pod>(Some(&ns))
-            .delete(p.metadata.name.as_deref().unwrap_or(""), &DeleteOptions::default())
+            .delete(
+                p.metadata.name.as_deref().unwrap_or(""),
+                &DeleteOptions::default(),
+            )
             .await?;
     }
     let nodes = cluster.api::<Node>(None);
@@ -312,7 +331,11 @@ pub async fn take_down(cluster: &Cluster, node: &str, grace: Duration) -> anyhow
 }
 
 /// What must go from `node`: its pod count and the safe driver's attachments on it.
-async fn expectation(cluster: &Cluster, node: &str, safe_per_node: usize) -> anyhow::Result<(usize, Vec<String>)> {
+async fn expectation(
+    cluster: &Cluster,
+    node: &str,
+    safe_per_node: usize,
+) -> anyhow::Result<(usize, Vec<String>)> {
     let before = cluster
         .api::<Pod>(None)
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
@@ -323,7 +346,11 @@ async fn expectation(cluster: &Cluster, node: &str, safe_per_node: usize) -> any
         .filter_map(|p| {
             let (_, i, j) = parse_pod(p.metadata.name.as_deref()?)?;
             (j < safe_per_node).then_some(())?;
-            Some(volume_attachment_name(&format!("vol-{i:05}{j:03}"), SAFE_DRIVER, node))
+            Some(volume_attachment_name(
+                &format!("vol-{i:05}{j:03}"),
+                SAFE_DRIVER,
+                node,
+            ))
         })
         .collect();
     Ok((before.len(), va_names))
@@ -331,13 +358,23 @@ async fn expectation(cluster: &Cluster, node: &str, safe_per_node: usize) -> any
 
 /// Waits until the node holds only the pods podgc must leave alone and none of the
 /// attachments in `expect`.
-async fn wait_done(cluster: &Cluster, node: &str, expect_left: usize, expect: (usize, Vec<String>), timeout: Duration, start: Instant) -> anyhow::Result<Round> {
+async fn wait_done(
+    cluster: &Cluster,
+    node: &str,
+    expect_left: usize,
+    expect: (usize, Vec<String>),
+    timeout: Duration,
+    start: Instant,
+) -> anyhow::Result<Round> {
     let vas = cluster.api::<VolumeAttachment>(None);
     let (before, va_names) = expect;
     loop {
         let pods = cluster
             .api::<Pod>(None)
-            .list_filtered(&ListParams::default().fields(&format!("spec.nodeName={node}")), |_| true)
+            .list_filtered(
+                &ListParams::default().fields(&format!("spec.nodeName={node}")),
+                |_| true,
+            )
             .await?;
         let mut va_left = 0;
         if pods.len() <= expect_left {
@@ -375,7 +412,11 @@ fn parse_pod(name: &str) -> Option<((), usize, usize)> {
 pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(usize, usize)> {
     let now = Timestamp::now();
     let grace = SignedDuration::try_from(grace)?;
-    let nodes = cluster.api::<Node>(None).list(&ListParams::default()).await?.items;
+    let nodes = cluster
+        .api::<Node>(None)
+        .list(&ListParams::default())
+        .await?
+        .items;
     let down: HashSet<String> = nodes
         .iter()
         .filter(|n| {
@@ -392,14 +433,26 @@ pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(u
         })
         .filter_map(|n| n.metadata.name.clone())
         .collect();
-    let pods = cluster.api::<Pod>(None).list(&ListParams::default()).await?.items;
+    let pods = cluster
+        .api::<Pod>(None)
+        .list(&ListParams::default())
+        .await?
+        .items;
     let pvcs: HashMap<(String, String), PersistentVolumeClaim> = cluster
         .api::<PersistentVolumeClaim>(None)
         .list(&ListParams::default())
         .await?
         .items
         .into_iter()
-        .map(|c| ((c.metadata.namespace.clone().unwrap_or_default(), c.metadata.name.clone().unwrap_or_default()), c))
+        .map(|c| {
+            (
+                (
+                    c.metadata.namespace.clone().unwrap_or_default(),
+                    c.metadata.name.clone().unwrap_or_default(),
+                ),
+                c,
+            )
+        })
         .collect();
     let pvs: HashMap<String, PersistentVolume> = cluster
         .api::<PersistentVolume>(None)
@@ -415,29 +468,56 @@ pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(u
         .await?
         .items
         .into_iter()
-        .filter(|d| d.metadata.annotations.as_ref().and_then(|a| a.get(SAFE_DETACH_ANNOTATION)).is_some_and(|v| v == "true"))
+        .filter(|d| {
+            d.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(SAFE_DETACH_ANNOTATION))
+                .is_some_and(|v| v == "true")
+        })
         .filter_map(|d| d.metadata.name)
         .collect();
-    let vas = cluster.api::<VolumeAttachment>(None).list(&ListParams::default()).await?.items;
+    let vas = cluster
+        .api::<VolumeAttachment>(None)
+        .list(&ListParams::default())
+        .await?
+        .items;
     let mut freed: HashSet<(String, String)> = HashSet::new();
     let mut deleted = 0;
     let mut quarantined: HashSet<String> = HashSet::new();
-    for pod in pods.iter().filter(|p| p.metadata.deletion_timestamp.is_some()) {
-        let node = pod.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
+    for pod in pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_some())
+    {
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
         if !down.contains(&node) {
             continue;
         }
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let mut ok = true;
         let mut mine = Vec::new();
-        for v in pod.spec.as_ref().and_then(|s| s.volumes.as_ref()).into_iter().flatten() {
-            let Some(c) = &v.persistent_volume_claim else { continue };
+        for v in pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.as_ref())
+            .into_iter()
+            .flatten()
+        {
+            let Some(c) = &v.persistent_volume_claim else {
+                continue;
+            };
             let pv = pvcs
                 .get(&(ns.clone(), c.claim_name.clone()))
                 .and_then(|c| c.spec.as_ref()?.volume_name.clone())
                 .and_then(|n| pvs.get(&n));
             match pv.and_then(|p| p.spec.as_ref()?.csi.as_ref()) {
-                Some(csi) if safe.contains(&csi.driver) => mine.push(pv.unwrap().metadata.name.clone().unwrap_or_default()),
+                Some(csi) if safe.contains(&csi.driver) => {
+                    mine.push(pv.unwrap().metadata.name.clone().unwrap_or_default())
+                }
                 _ => ok = false,
             }
         }
@@ -447,14 +527,19 @@ pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(u
         if quarantined.insert(node.clone()) {
             let api = cluster.api::<Node>(None);
             let mut n = api.get(&node).await?;
-            n.spec.get_or_insert_with(Default::default).taints.get_or_insert_with(Vec::new).push(
-                fencecsi_cluster::k8s_openapi::api::core::v1::Taint {
+            n.spec
+                .get_or_insert_with(Default::default)
+                .taints
+                .get_or_insert_with(Vec::new)
+                .push(fencecsi_cluster::k8s_openapi::api::core::v1::Taint {
                     key: QUARANTINE_TAINT_KEY.into(),
                     effect: "NoSchedule".into(),
                     ..Default::default()
-                },
-            );
-            n.metadata.annotations.get_or_insert_with(Default::default).insert(QUARANTINED_AT_ANNOTATION.into(), now.to_string());
+                });
+            n.metadata
+                .annotations
+                .get_or_insert_with(Default::default)
+                .insert(QUARANTINED_AT_ANNOTATION.into(), now.to_string());
             api.replace(&n).await?;
         }
         disrupt_and_delete(cluster, pod, "naive pass").await?;
@@ -465,9 +550,22 @@ pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(u
     }
     let mut va_deleted = 0;
     for va in vas {
-        let key = (va.spec.node_name.clone(), va.spec.source.persistent_volume_name.clone().unwrap_or_default());
+        let key = (
+            va.spec.node_name.clone(),
+            va.spec
+                .source
+                .persistent_volume_name
+                .clone()
+                .unwrap_or_default(),
+        );
         if freed.contains(&key) {
-            cluster.api::<VolumeAttachment>(None).delete(va.metadata.name.as_deref().unwrap_or(""), &DeleteOptions::default()).await?;
+            cluster
+                .api::<VolumeAttachment>(None)
+                .delete(
+                    va.metadata.name.as_deref().unwrap_or(""),
+                    &DeleteOptions::default(),
+                )
+                .await?;
             va_deleted += 1;
         }
     }
@@ -476,7 +574,10 @@ pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(u
 
 /// Runs the whole benchmark.
 pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
-    anyhow::ensure!(a.safe_per_node + a.unsafe_per_node <= a.pods_per_node, "--safe-per-node + --unsafe-per-node > --pods-per-node");
+    anyhow::ensure!(
+        a.safe_per_node + a.unsafe_per_node <= a.pods_per_node,
+        "--safe-per-node + --unsafe-per-node > --pods-per-node"
+    );
     anyhow::ensure!(a.rounds * 2 <= a.nodes, "need at least 2 nodes per round");
     let mut r = BenchReport::default();
     let cluster = Cluster::embedded();
@@ -487,7 +588,10 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
     r.load_time = t.elapsed();
     (r.nodes, r.pods, r.pvs, r.vas) = (a.nodes, pods, pvs, vas);
     (r.hwm_load_mib, r.rss_after_load_mib) = memory_mib();
-    eprintln!("loaded {} nodes, {pods} pods, {pvs} PVs, {vas} VolumeAttachments in {:.1?}; RSS {:.0} MiB", a.nodes, r.load_time, r.rss_after_load_mib);
+    eprintln!(
+        "loaded {} nodes, {pods} pods, {pvs} PVs, {vas} VolumeAttachments in {:.1?}; RSS {:.0} MiB",
+        a.nodes, r.load_time, r.rss_after_load_mib
+    );
 
     let grace = Duration::from_secs(30);
     let left_alone = a.unsafe_per_node;

@@ -65,7 +65,7 @@ fn parse_time(s: Option<&String>) -> Option<Timestamp> {
 
 /// Readiness of a node as its Ready condition says.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Ready {
+enum Readiness {
     True,
     /// False or Unknown since this time.
     NotReady(Timestamp),
@@ -76,7 +76,7 @@ enum Ready {
 /// What podgc keeps of a Node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct NodeInfo {
-    ready: Ready,
+    ready: Readiness,
     quarantined: bool,
     quarantined_at: Option<Timestamp>,
     clean_at: Option<Timestamp>,
@@ -92,17 +92,17 @@ impl NodeInfo {
             .and_then(|s| s.conditions.as_ref())
             .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
         let ready = match cond {
-            None => Ready::Missing,
-            Some(c) if c.status == "True" => Ready::True,
+            None => Readiness::Missing,
+            Some(c) if c.status == "True" => Readiness::True,
             Some(c) => {
                 let since = c.last_transition_time.as_ref().map(|t| t.0).unwrap_or_else(
                     // No transition time: from when we first saw it NotReady.
                     || match previous.map(|p| &p.ready) {
-                        Some(Ready::NotReady(t)) => *t,
+                        Some(Readiness::NotReady(t)) => *t,
                         _ => now(),
                     },
                 );
-                Ready::NotReady(since)
+                Readiness::NotReady(since)
             }
         };
         let ann = n.metadata.annotations.as_ref();
@@ -495,7 +495,9 @@ impl PodGc {
     pub fn new(cluster: Cluster, cfg: PodGcConfig) -> Self {
         PodGc {
             cluster,
-            liveness: Arc::new(Liveness::new(cfg.resync_interval * 6 + Duration::from_secs(30))),
+            liveness: Arc::new(Liveness::new(
+                cfg.resync_interval * 6 + Duration::from_secs(30),
+            )),
             cfg,
             metrics: Arc::new(Metrics::new()),
         }
@@ -575,7 +577,9 @@ impl PodGc {
         let mut vas_w = cluster
             .api::<VolumeAttachment>(None)
             .watch(&WatchParams::default())?;
-        let mut drivers_w = cluster.api::<CSIDriver>(None).watch(&WatchParams::default())?;
+        let mut drivers_w = cluster
+            .api::<CSIDriver>(None)
+            .watch(&WatchParams::default())?;
 
         let mut r = Runner {
             recorder: EventRecorder::new(&cluster, CONTROLLER_NAME, &cfg.identity),
@@ -638,7 +642,7 @@ impl Runner {
     /// When the node counts as NotReady, if it does.
     fn not_ready_since(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Timestamp> {
         let by_condition = match info.ready {
-            Ready::NotReady(t) => Some(t),
+            Readiness::NotReady(t) => Some(t),
             _ => None,
         };
         let by_lease = self.cfg.node_lease_grace.and_then(|g| {
@@ -664,7 +668,7 @@ impl Runner {
             }
         };
         for (name, info) in &self.caches.nodes {
-            if let Ready::NotReady(t) = info.ready {
+            if let Readiness::NotReady(t) = info.ready {
                 consider(t + grace);
             }
             if let (Some(g), Some(l)) = (self.cfg.node_lease_grace, self.caches.leases.get(name)) {
@@ -721,17 +725,37 @@ impl Runner {
                     "{} of {} nodes ({:.0}%) are NotReady, more than the {:.0}% podgc acts under: the fault is likely the control plane's network, not the nodes. podgc quarantines, deletes and lifts nothing until fewer nodes are NotReady.",
                     unhealthy.len(), s.nodes, fraction * 100.0, self.cfg.max_unhealthy_fraction * 100.0
                 );
-                tracing::warn!(unhealthy = unhealthy.len(), nodes = s.nodes, "entering disruption mode: {msg}");
-                self.event(self.lease_ref.clone(), EventType::Warning, "DisruptionMode", &msg).await;
+                tracing::warn!(
+                    unhealthy = unhealthy.len(),
+                    nodes = s.nodes,
+                    "entering disruption mode: {msg}"
+                );
+                self.event(
+                    self.lease_ref.clone(),
+                    EventType::Warning,
+                    "DisruptionMode",
+                    &msg,
+                )
+                .await;
             }
             self.in_disruption = true;
             s.quarantined = self.count_quarantined();
             return s;
         }
         if self.in_disruption {
-            let msg = format!("{} of {} nodes are NotReady: podgc acts again", unhealthy.len(), s.nodes);
+            let msg = format!(
+                "{} of {} nodes are NotReady: podgc acts again",
+                unhealthy.len(),
+                s.nodes
+            );
             tracing::info!("{msg}");
-            self.event(self.lease_ref.clone(), EventType::Normal, "DisruptionModeEnded", &msg).await;
+            self.event(
+                self.lease_ref.clone(),
+                EventType::Normal,
+                "DisruptionModeEnded",
+                &msg,
+            )
+            .await;
             self.in_disruption = false;
         }
 
@@ -745,10 +769,15 @@ impl Runner {
             .collect();
         let unhealthy_set: HashSet<&str> = unhealthy.iter().map(|(n, _)| n.as_str()).collect();
         for name in quarantined {
-            match self.maybe_lift(&name, unhealthy_set.contains(name.as_str())).await {
+            match self
+                .maybe_lift(&name, unhealthy_set.contains(name.as_str()))
+                .await
+            {
                 Ok(true) => s.lifted.push(name),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(node = %name, error = %e, "checking the quarantine failed"),
+                Err(e) => {
+                    tracing::warn!(node = %name, error = %e, "checking the quarantine failed")
+                }
             }
         }
 
@@ -781,7 +810,12 @@ impl Runner {
     }
 
     /// Acts on one node that has been NotReady for longer than the grace.
-    async fn handle_node(&mut self, node: &str, since: Timestamp, s: &mut PassSummary) -> anyhow::Result<()> {
+    async fn handle_node(
+        &mut self,
+        node: &str,
+        since: Timestamp,
+        s: &mut PassSummary,
+    ) -> anyhow::Result<()> {
         let pods = self
             .cluster
             .api::<Pod>(None)
@@ -818,7 +852,11 @@ impl Runner {
         let mut to_warn = Vec::new();
         for (pod, reason, detail) in warn {
             let uid = pod.metadata.uid.clone().unwrap_or_default();
-            s.skipped.push(format!("{}/{}", pod.metadata.namespace.as_deref().unwrap_or(""), pod.metadata.name.as_deref().unwrap_or("")));
+            s.skipped.push(format!(
+                "{}/{}",
+                pod.metadata.namespace.as_deref().unwrap_or(""),
+                pod.metadata.name.as_deref().unwrap_or("")
+            ));
             if warned.insert(uid) {
                 to_warn.push((pod, reason, detail));
             }
@@ -827,7 +865,13 @@ impl Runner {
             self.metrics.skipped(reason.as_str());
             let msg = format!("{why}, but podgc leaves this terminating pod alone: {detail}. Delete it by hand once the node is known to be off.");
             tracing::warn!(pod = %format!("{}/{}", pod.metadata.namespace.as_deref().unwrap_or(""), pod.metadata.name.as_deref().unwrap_or("")), node, reason = reason.as_str(), "{msg}");
-            self.event(object_ref(&pod), EventType::Warning, "ForceDeleteSkipped", &msg).await;
+            self.event(
+                object_ref(&pod),
+                EventType::Warning,
+                "ForceDeleteSkipped",
+                &msg,
+            )
+            .await;
         }
 
         if !selected.is_empty() {
@@ -837,7 +881,11 @@ impl Runner {
             let msg = format!("{why}; podgc force-deletes this terminating pod and detaches its volumes with a write fence");
             let mut names = Vec::new();
             for (pod, reason, pvs) in selected {
-                let full = format!("{}/{}", pod.metadata.namespace.as_deref().unwrap_or(""), pod.metadata.name.as_deref().unwrap_or(""));
+                let full = format!(
+                    "{}/{}",
+                    pod.metadata.namespace.as_deref().unwrap_or(""),
+                    pod.metadata.name.as_deref().unwrap_or("")
+                );
                 match disrupt_and_delete(&self.cluster, &pod, &msg).await {
                     Ok(DeleteResult::Deleted) => {
                         self.metrics.force_deleted(reason.as_str());
@@ -861,8 +909,16 @@ impl Runner {
                     list.truncate(600);
                     list.push_str(", ...");
                 }
-                self.event(Self::node_ref(node), EventType::Warning, "TerminatingPodsForceDeleted",
-                    &format!("{why}: force-deleted {} terminating pod(s): {list}", names.len())).await;
+                self.event(
+                    Self::node_ref(node),
+                    EventType::Warning,
+                    "TerminatingPodsForceDeleted",
+                    &format!(
+                        "{why}: force-deleted {} terminating pod(s): {list}",
+                        names.len()
+                    ),
+                )
+                .await;
             }
         }
 
@@ -876,8 +932,17 @@ impl Runner {
                 .unwrap_or_default();
             let mut deleted_any = false;
             for va_name in names {
-                let Some(va) = self.caches.vas.get(&va_name).cloned() else { continue };
-                if va.deleting || !self.caches.drivers.get(&va.attacher).copied().unwrap_or(false) {
+                let Some(va) = self.caches.vas.get(&va_name).cloned() else {
+                    continue;
+                };
+                if va.deleting
+                    || !self
+                        .caches
+                        .drivers
+                        .get(&va.attacher)
+                        .copied()
+                        .unwrap_or(false)
+                {
                     continue;
                 }
                 let Some(pv) = va.pv.as_ref() else { continue };
@@ -899,18 +964,25 @@ impl Runner {
                         s.volume_attachments_deleted.push(va_name);
                         deleted_any = true;
                     }
-                    Err(e) => tracing::warn!(node, volume_attachment = %va_name, error = %e, "deleting VolumeAttachment failed; retried next pass"),
+                    Err(e) => {
+                        tracing::warn!(node, volume_attachment = %va_name, error = %e, "deleting VolumeAttachment failed; retried next pass")
+                    }
                 }
             }
             if deleted_any && self.caches.nodes.get(node).is_some_and(|i| i.fences_done) {
-                self.patch_node(node, MetadataPatch::new().remove_annotation(FENCES_DONE)).await?;
+                self.patch_node(node, MetadataPatch::new().remove_annotation(FENCES_DONE))
+                    .await?;
             }
         }
         Ok(())
     }
 
     async fn patch_node(&mut self, node: &str, patch: MetadataPatch) -> anyhow::Result<()> {
-        let n = self.cluster.api::<Node>(None).patch_metadata(node, &patch).await?;
+        let n = self
+            .cluster
+            .api::<Node>(None)
+            .patch_metadata(node, &patch)
+            .await?;
         let info = NodeInfo::of(&n, self.caches.nodes.get(node));
         self.caches.nodes.insert(node.to_string(), info);
         Ok(())
@@ -933,7 +1005,9 @@ impl Runner {
                 self.caches.nodes.insert(node.to_string(), info);
                 return Ok(false);
             }
-            let stamp = Some(Time(Timestamp::from_second(now().as_second()).unwrap_or_else(|_| now())));
+            let stamp = Some(Time(
+                Timestamp::from_second(now().as_second()).unwrap_or_else(|_| now()),
+            ));
             let spec = n.spec.get_or_insert_with(Default::default);
             let list = spec.taints.get_or_insert_with(Vec::new);
             if !list.iter().any(|t| t.key == QUARANTINE_TAINT_KEY) {
@@ -965,7 +1039,13 @@ impl Runner {
                     let msg = format!("{why}: podgc quarantined the node ({QUARANTINE_TAINT_KEY}:NoSchedule{}) before force-deleting its terminating pods; the quarantine is lifted once the node is Ready again and its node plugin reports it released every fenced volume",
                         if want_oos { format!(", {OUT_OF_SERVICE_TAINT_KEY}:NoExecute") } else { String::new() });
                     tracing::warn!(node, "{msg}");
-                    self.event(Self::node_ref(node), EventType::Warning, "NodeQuarantined", &msg).await;
+                    self.event(
+                        Self::node_ref(node),
+                        EventType::Warning,
+                        "NodeQuarantined",
+                        &msg,
+                    )
+                    .await;
                     return Ok(true);
                 }
                 Err(e) if e.is_conflict() => continue,
@@ -983,17 +1063,22 @@ impl Runner {
         let vas = self.caches.safe_vas_on(node);
         if vas == 0 && !info.fences_done {
             // The fences are done now: only a clean report from after this moment counts.
-            self.patch_node(node, MetadataPatch::new()
-                .set_annotation(QUARANTINED_AT_ANNOTATION, &now().to_string())
-                .set_annotation(FENCES_DONE, "true")).await?;
+            self.patch_node(
+                node,
+                MetadataPatch::new()
+                    .set_annotation(QUARANTINED_AT_ANNOTATION, &now().to_string())
+                    .set_annotation(FENCES_DONE, "true"),
+            )
+            .await?;
             tracing::info!(node, "no VolumeAttachment of a safe-detach driver left on the node: fences done; waiting for a clean report");
             return Ok(false);
         }
         if vas > 0 && info.fences_done {
-            self.patch_node(node, MetadataPatch::new().remove_annotation(FENCES_DONE)).await?;
+            self.patch_node(node, MetadataPatch::new().remove_annotation(FENCES_DONE))
+                .await?;
             return Ok(false);
         }
-        if unhealthy || info.ready != Ready::True || vas > 0 {
+        if unhealthy || info.ready != Readiness::True || vas > 0 {
             return Ok(false);
         }
         let (Some(qa), Some(clean)) = (info.quarantined_at, info.clean_at) else {
@@ -1013,7 +1098,8 @@ impl Runner {
             if let Some(spec) = n.spec.as_mut() {
                 if let Some(list) = spec.taints.as_mut() {
                     list.retain(|t| {
-                        t.key != QUARANTINE_TAINT_KEY && !(owned_oos && t.key == OUT_OF_SERVICE_TAINT_KEY)
+                        t.key != QUARANTINE_TAINT_KEY
+                            && !(owned_oos && t.key == OUT_OF_SERVICE_TAINT_KEY)
                     });
                     if list.is_empty() {
                         spec.taints = None;
@@ -1032,7 +1118,13 @@ impl Runner {
                     self.metrics.quarantines_lifted.inc();
                     let msg = format!("node {node} is Ready, no VolumeAttachment of a safe-detach driver names it, and its node plugin reported it clean at {clean} (after {qa}): quarantine lifted");
                     tracing::info!(node, "{msg}");
-                    self.event(Self::node_ref(node), EventType::Normal, "QuarantineLifted", &msg).await;
+                    self.event(
+                        Self::node_ref(node),
+                        EventType::Normal,
+                        "QuarantineLifted",
+                        &msg,
+                    )
+                    .await;
                     return Ok(true);
                 }
                 Err(e) if e.is_conflict() => continue,

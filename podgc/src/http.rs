@@ -34,7 +34,11 @@ impl Liveness {
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
     }
     pub fn healthy(&self) -> bool {
-        self.last.lock().unwrap_or_else(|e| e.into_inner()).elapsed() < self.stale_after
+        self.last
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+            < self.stale_after
     }
 }
 

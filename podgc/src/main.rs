@@ -142,12 +142,16 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         out_of_service_taint: a.out_of_service_taint,
         resync_interval: a.resync_interval,
         leader_election: a.leader_elect.then(|| {
-            LeaderElectionConfig::new(&a.leader_elect_namespace, &a.leader_elect_lease_name, &identity)
-                .with_timing(
-                    a.leader_elect_lease_duration,
-                    a.leader_elect_renew_deadline,
-                    a.leader_elect_retry_period,
-                )
+            LeaderElectionConfig::new(
+                &a.leader_elect_namespace,
+                &a.leader_elect_lease_name,
+                &identity,
+            )
+            .with_timing(
+                a.leader_elect_lease_duration,
+                a.leader_elect_renew_deadline,
+                a.leader_elect_retry_period,
+            )
         }),
         identity,
         ..Default::default()
@@ -177,7 +181,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
     }));
     tokio::select! {
         _ = shutdown_signal() => {}
-        r = &mut Box::pin(async { http.await }) => {
+        r = http => {
             match r {
                 Ok(Err(e)) => anyhow::bail!("http endpoint {}: {e}", a.http_endpoint),
                 other => tracing::warn!(?other, "http server ended"),

@@ -57,35 +57,77 @@ impl Metrics {
             pass_duration_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             registry: Registry::default(),
         };
-        registry.register("force_deletions", "Pods force-deleted from shut-down nodes, by reason", m.force_deletions.clone());
-        registry.register("skipped_pods", "Terminating pods on shut-down nodes left alone, by reason", m.skipped_pods.clone());
-        registry.register("volume_attachments_deleted", "VolumeAttachments deleted so the attacher detaches with a fence", m.volume_attachments_deleted.clone());
+        registry.register(
+            "force_deletions",
+            "Pods force-deleted from shut-down nodes, by reason",
+            m.force_deletions.clone(),
+        );
+        registry.register(
+            "skipped_pods",
+            "Terminating pods on shut-down nodes left alone, by reason",
+            m.skipped_pods.clone(),
+        );
+        registry.register(
+            "volume_attachments_deleted",
+            "VolumeAttachments deleted so the attacher detaches with a fence",
+            m.volume_attachments_deleted.clone(),
+        );
         registry.register("quarantines", "Nodes quarantined", m.quarantines.clone());
-        registry.register("quarantines_lifted", "Quarantines lifted", m.quarantines_lifted.clone());
-        registry.register("quarantined_nodes", "Nodes carrying the quarantine taint", m.quarantined_nodes.clone());
-        registry.register("unhealthy_nodes", "Nodes counted NotReady in the last pass", m.unhealthy_nodes.clone());
-        registry.register("disruption_mode", "1 while too many nodes are NotReady and podgc does nothing", m.disruption_mode.clone());
-        registry.register("leader", "1 while this instance is the leader", m.leader.clone());
+        registry.register(
+            "quarantines_lifted",
+            "Quarantines lifted",
+            m.quarantines_lifted.clone(),
+        );
+        registry.register(
+            "quarantined_nodes",
+            "Nodes carrying the quarantine taint",
+            m.quarantined_nodes.clone(),
+        );
+        registry.register(
+            "unhealthy_nodes",
+            "Nodes counted NotReady in the last pass",
+            m.unhealthy_nodes.clone(),
+        );
+        registry.register(
+            "disruption_mode",
+            "1 while too many nodes are NotReady and podgc does nothing",
+            m.disruption_mode.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 while this instance is the leader",
+            m.leader.clone(),
+        );
         registry.register("passes", "Reconcile passes run", m.passes.clone());
-        registry.register("pass_duration_seconds", "Duration of a reconcile pass", m.pass_duration_seconds.clone());
+        registry.register(
+            "pass_duration_seconds",
+            "Duration of a reconcile pass",
+            m.pass_duration_seconds.clone(),
+        );
         Metrics { registry, ..m }
     }
 
     pub fn force_deleted(&self, reason: &str) {
         self.force_deletions
-            .get_or_create(&ReasonLabels { reason: reason.into() })
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
             .inc();
     }
 
     pub fn skipped(&self, reason: &str) {
         self.skipped_pods
-            .get_or_create(&ReasonLabels { reason: reason.into() })
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
             .inc();
     }
 
     pub fn force_deleted_count(&self, reason: &str) -> u64 {
         self.force_deletions
-            .get_or_create(&ReasonLabels { reason: reason.into() })
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
             .get()
     }
 

@@ -28,7 +28,10 @@ struct Seen {
 impl Seen {
     fn of(n: &Node) -> Seen {
         let a = n.metadata.annotations.as_ref();
-        let get = |k: &str| a.and_then(|a| a.get(k)).and_then(|v| v.parse::<Timestamp>().ok());
+        let get = |k: &str| {
+            a.and_then(|a| a.get(k))
+                .and_then(|v| v.parse::<Timestamp>().ok())
+        };
         Seen {
             quarantined_at: get(QUARANTINED_AT_ANNOTATION),
             clean_at: get(NODE_CLEAN_ANNOTATION),

@@ -89,7 +89,11 @@ impl<'a> Resolver<'a> {
         self.drivers.get(driver).copied().unwrap_or(false)
     }
 
-    async fn pvc(&mut self, ns: &str, name: &str) -> fencecsi_cluster::Result<Option<PersistentVolumeClaim>> {
+    async fn pvc(
+        &mut self,
+        ns: &str,
+        name: &str,
+    ) -> fencecsi_cluster::Result<Option<PersistentVolumeClaim>> {
         let key = (ns.to_string(), name.to_string());
         if let Some(v) = self.pvcs.get(&key) {
             return Ok(v.clone());
@@ -107,7 +111,11 @@ impl<'a> Resolver<'a> {
         if let Some(v) = self.pvs.get(name) {
             return Ok(v.clone());
         }
-        let v = self.cluster.api::<PersistentVolume>(None).get_opt(name).await?;
+        let v = self
+            .cluster
+            .api::<PersistentVolume>(None)
+            .get_opt(name)
+            .await?;
         self.pvs.insert(name.to_string(), v.clone());
         Ok(v)
     }
@@ -189,7 +197,14 @@ impl<'a> Resolver<'a> {
                 || v.image.is_some()
                 || v.git_repo.is_some();
             if !harmless {
-                first_skip(&mut skip, SkipReason::NonCsiVolume, format!("inline volume {:?} is network storage that nothing fences", v.name));
+                first_skip(
+                    &mut skip,
+                    SkipReason::NonCsiVolume,
+                    format!(
+                        "inline volume {:?} is network storage that nothing fences",
+                        v.name
+                    ),
+                );
             }
         }
         let verdict = match skip {

@@ -22,7 +22,9 @@ use fencecsi_cluster::{
 };
 use fencecsi_driver::node::recover::CleanReporter;
 use fencecsi_podgc::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
-use fencecsi_podgc::{disrupt_and_delete, DeleteResult, NodeCleanReporter, PodGc, PodGcConfig, PodGcHandle};
+use fencecsi_podgc::{
+    disrupt_and_delete, DeleteResult, NodeCleanReporter, PodGc, PodGcConfig, PodGcHandle,
+};
 use futures::StreamExt;
 
 const SAFE: &str = DRIVER_NAME;
@@ -57,7 +59,12 @@ async fn cluster(nodes: &[&str]) -> Cluster {
 
 /// A pod on `node`; with `volume = Some((driver, access mode))` it has a PVC bound to a CSI
 /// PV of that driver and a VolumeAttachment on the node. Returns (pod, VA name).
-async fn pod(c: &Cluster, name: &str, node: &str, volume: Option<(&str, &str)>) -> (Pod, Option<String>) {
+async fn pod(
+    c: &Cluster,
+    name: &str,
+    node: &str,
+    volume: Option<(&str, &str)>,
+) -> (Pod, Option<String>) {
     let mut volumes = vec![Volume {
         name: "scratch".into(),
         empty_dir: Some(Default::default()),
@@ -180,7 +187,10 @@ where
 {
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while !f().await {
-        assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -205,13 +215,20 @@ fn annotation<'a>(n: &'a Node, key: &str) -> Option<&'a String> {
 
 async fn events(c: &Cluster, reason: &str) -> Vec<Event> {
     c.api::<Event>(None)
-        .list_filtered(&ListParams::default(), |e| e.reason.as_deref() == Some(reason))
+        .list_filtered(&ListParams::default(), |e| {
+            e.reason.as_deref() == Some(reason)
+        })
         .await
         .unwrap()
 }
 
 fn rv<K: fencecsi_cluster::Object>(o: &K) -> u64 {
-    o.metadata().resource_version.as_deref().unwrap().parse().unwrap()
+    o.metadata()
+        .resource_version
+        .as_deref()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 #[tokio::test]
@@ -225,7 +242,10 @@ async fn quarantines_before_it_force_deletes_with_condition_and_deletes_attachme
     terminate(&c, "db-1").await; // on a Ready node: must stay
 
     let mut node_w = c.api::<Node>(None).watch(&WatchParams::default()).unwrap();
-    let mut pod_w = c.api::<Pod>(Some(NS)).watch(&WatchParams::default()).unwrap();
+    let mut pod_w = c
+        .api::<Pod>(Some(NS))
+        .watch(&WatchParams::default())
+        .unwrap();
     let _ = node_w.next().await;
     let _ = pod_w.next().await;
 
@@ -233,25 +253,46 @@ async fn quarantines_before_it_force_deletes_with_condition_and_deletes_attachme
     set_ready(&c, "n1", "Unknown", Duration::from_secs(1)).await;
     // Not yet past the 2 s grace.
     passes(&h, 2).await;
-    assert!(c.api::<Pod>(Some(NS)).get_opt("db-0").await.unwrap().is_some());
-    assert!(!has_taint(&c.api::<Node>(None).get("n1").await.unwrap(), QUARANTINE_TAINT_KEY));
+    assert!(c
+        .api::<Pod>(Some(NS))
+        .get_opt("db-0")
+        .await
+        .unwrap()
+        .is_some());
+    assert!(!has_taint(
+        &c.api::<Node>(None).get("n1").await.unwrap(),
+        QUARANTINE_TAINT_KEY
+    ));
 
     let pods = c.api::<Pod>(Some(NS));
     wait_for("db-0 and web-0 force-deleted", || async {
-        pods.get_opt("db-0").await.unwrap().is_none() && pods.get_opt("web-0").await.unwrap().is_none()
+        pods.get_opt("db-0").await.unwrap().is_none()
+            && pods.get_opt("web-0").await.unwrap().is_none()
     })
     .await;
     let vas = c.api::<VolumeAttachment>(None);
-    wait_for("db-0's attachment deleted", || async { vas.get_opt(va1.as_ref().unwrap()).await.unwrap().is_none() }).await;
+    wait_for("db-0's attachment deleted", || async {
+        vas.get_opt(va1.as_ref().unwrap()).await.unwrap().is_none()
+    })
+    .await;
     // The Ready node's terminating pod and attachment are untouched.
-    assert!(pods.get("db-1").await.unwrap().metadata.deletion_timestamp.is_some());
+    assert!(pods
+        .get("db-1")
+        .await
+        .unwrap()
+        .metadata
+        .deletion_timestamp
+        .is_some());
     assert!(vas.get_opt(va3.as_ref().unwrap()).await.unwrap().is_some());
 
     // Order: the quarantine is written before any pod change; the condition before the delete.
     let mut quarantined_rv = None;
     while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(100), node_w.next()).await {
         if let WatchEvent::Modified(n) = ev {
-            if n.metadata.name.as_deref() == Some("n1") && has_taint(&n, QUARANTINE_TAINT_KEY) && quarantined_rv.is_none() {
+            if n.metadata.name.as_deref() == Some("n1")
+                && has_taint(&n, QUARANTINE_TAINT_KEY)
+                && quarantined_rv.is_none()
+            {
                 assert!(annotation(&n, QUARANTINED_AT_ANNOTATION).is_some());
                 quarantined_rv = Some(rv(&n));
             }
@@ -263,7 +304,12 @@ async fn quarantines_before_it_force_deletes_with_condition_and_deletes_attachme
     while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(100), pod_w.next()).await {
         match ev {
             WatchEvent::Modified(p) if p.metadata.name.as_deref() == Some("db-0") => {
-                let cond = p.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|cs| cs.iter().find(|c| c.type_ == DISRUPTION_TARGET_CONDITION)).cloned();
+                let cond = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .and_then(|cs| cs.iter().find(|c| c.type_ == DISRUPTION_TARGET_CONDITION))
+                    .cloned();
                 if let Some(cond) = cond {
                     assert_eq!(cond.status, "True");
                     assert_eq!(cond.reason.as_deref(), Some(DELETION_BY_PODGC_REASON));
@@ -274,22 +320,39 @@ async fn quarantines_before_it_force_deletes_with_condition_and_deletes_attachme
             }
             WatchEvent::Deleted(p) if p.metadata.name.as_deref() == Some("db-0") => {
                 assert_eq!(p.metadata.uid, p1.metadata.uid);
-                assert_eq!(p.metadata.deletion_grace_period_seconds, Some(0), "force delete");
+                assert_eq!(
+                    p.metadata.deletion_grace_period_seconds,
+                    Some(0),
+                    "force delete"
+                );
                 deleted_rv = Some(rv(&p));
             }
             _ => {}
         }
     }
-    let (condition_rv, deleted_rv) = (condition_rv.expect("condition written"), deleted_rv.expect("db-0 deleted"));
-    assert!(quarantined_rv < condition_rv && condition_rv < deleted_rv, "{quarantined_rv} < {condition_rv} < {deleted_rv}");
+    let (condition_rv, deleted_rv) = (
+        condition_rv.expect("condition written"),
+        deleted_rv.expect("db-0 deleted"),
+    );
+    assert!(
+        quarantined_rv < condition_rv && condition_rv < deleted_rv,
+        "{quarantined_rv} < {condition_rv} < {deleted_rv}"
+    );
 
     let m = h.metrics();
     assert_eq!(m.force_deleted_count("safe-detach-volumes"), 1);
     assert_eq!(m.force_deleted_count("no-volumes"), 1);
-    assert!(m.encode().contains("fencecsi_podgc_quarantined_nodes 1"), "{}", m.encode());
+    assert!(
+        m.encode().contains("fencecsi_podgc_quarantined_nodes 1"),
+        "{}",
+        m.encode()
+    );
     assert!(!events(&c, "NodeQuarantined").await.is_empty());
     // n2 was never touched.
-    assert!(!has_taint(&c.api::<Node>(None).get("n2").await.unwrap(), QUARANTINE_TAINT_KEY));
+    assert!(!has_taint(
+        &c.api::<Node>(None).get("n2").await.unwrap(),
+        QUARANTINE_TAINT_KEY
+    ));
     h.shutdown().await.unwrap();
 }
 
@@ -307,15 +370,34 @@ async fn pods_of_drivers_without_safe_detach_and_rwx_pods_are_left_alone_with_an
     for p in [&p_unsafe, &p_rwx] {
         let now = pods.get(p.metadata.name.as_deref().unwrap()).await.unwrap();
         assert_eq!(now.metadata.uid, p.metadata.uid);
-        assert!(now.status.as_ref().and_then(|s| s.conditions.as_ref()).is_none_or(|cs| cs.iter().all(|c| c.type_ != DISRUPTION_TARGET_CONDITION)));
+        assert!(now
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_none_or(|cs| cs.iter().all(|c| c.type_ != DISRUPTION_TARGET_CONDITION)));
     }
     let vas = c.api::<VolumeAttachment>(None);
-    assert!(vas.get_opt(va_unsafe.as_ref().unwrap()).await.unwrap().is_some());
-    assert!(vas.get_opt(va_rwx.as_ref().unwrap()).await.unwrap().is_some());
+    assert!(vas
+        .get_opt(va_unsafe.as_ref().unwrap())
+        .await
+        .unwrap()
+        .is_some());
+    assert!(vas
+        .get_opt(va_rwx.as_ref().unwrap())
+        .await
+        .unwrap()
+        .is_some());
     // Nothing to delete: no quarantine either.
-    assert!(!has_taint(&c.api::<Node>(None).get("n1").await.unwrap(), QUARANTINE_TAINT_KEY));
+    assert!(!has_taint(
+        &c.api::<Node>(None).get("n1").await.unwrap(),
+        QUARANTINE_TAINT_KEY
+    ));
     let skipped = events(&c, "ForceDeleteSkipped").await;
-    assert_eq!(skipped.len(), 2, "one event per pod, not per pass: {skipped:#?}");
+    assert_eq!(
+        skipped.len(),
+        2,
+        "one event per pod, not per pass: {skipped:#?}"
+    );
     let note = |name: &str| {
         skipped
             .iter()
@@ -323,12 +405,28 @@ async fn pods_of_drivers_without_safe_detach_and_rwx_pods_are_left_alone_with_an
             .and_then(|e| e.note.clone())
             .unwrap_or_default()
     };
-    assert!(note("other-0").contains(UNSAFE) && note("other-0").contains(SAFE_DETACH_ANNOTATION), "{}", note("other-0"));
-    assert!(note("shared-0").contains("ReadWriteMany"), "{}", note("shared-0"));
-    assert!(skipped.iter().all(|e| e.type_.as_deref() == Some("Warning")));
+    assert!(
+        note("other-0").contains(UNSAFE) && note("other-0").contains(SAFE_DETACH_ANNOTATION),
+        "{}",
+        note("other-0")
+    );
+    assert!(
+        note("shared-0").contains("ReadWriteMany"),
+        "{}",
+        note("shared-0")
+    );
+    assert!(skipped
+        .iter()
+        .all(|e| e.type_.as_deref() == Some("Warning")));
     let text = h.metrics().encode();
-    assert!(text.contains("fencecsi_podgc_skipped_pods_total{reason=\"driver-not-safe-detach\"} 1"), "{text}");
-    assert!(text.contains("fencecsi_podgc_skipped_pods_total{reason=\"read-write-many\"} 1"), "{text}");
+    assert!(
+        text.contains("fencecsi_podgc_skipped_pods_total{reason=\"driver-not-safe-detach\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fencecsi_podgc_skipped_pods_total{reason=\"read-write-many\"} 1"),
+        "{text}"
+    );
     h.shutdown().await.unwrap();
 }
 
@@ -344,7 +442,12 @@ async fn a_ready_node_is_never_quarantined() {
     let n = c.api::<Node>(None).get("n1").await.unwrap();
     assert!(!has_taint(&n, QUARANTINE_TAINT_KEY));
     assert!(annotation(&n, QUARANTINED_AT_ANNOTATION).is_none());
-    assert!(c.api::<Pod>(Some(NS)).get_opt("db-0").await.unwrap().is_some());
+    assert!(c
+        .api::<Pod>(Some(NS))
+        .get_opt("db-0")
+        .await
+        .unwrap()
+        .is_some());
     assert_eq!(h.metrics().force_deleted_count("safe-detach-volumes"), 0);
     h.shutdown().await.unwrap();
 }
@@ -364,23 +467,52 @@ async fn mass_not_ready_is_disruption_mode_and_changes_nothing() {
     let s = h.next_pass().await;
     assert!(s.disruption_mode, "{s:?}");
     assert_eq!(s.unhealthy, 6);
-    for i in 0..6 {
-        assert!(c.api::<Pod>(Some(NS)).get_opt(&format!("db-{i}")).await.unwrap().is_some());
-        assert!(!has_taint(&c.api::<Node>(None).get(&names[i]).await.unwrap(), QUARANTINE_TAINT_KEY));
+    for (i, name) in names.iter().enumerate().take(6) {
+        assert!(c
+            .api::<Pod>(Some(NS))
+            .get_opt(&format!("db-{i}"))
+            .await
+            .unwrap()
+            .is_some());
+        assert!(!has_taint(
+            &c.api::<Node>(None).get(name).await.unwrap(),
+            QUARANTINE_TAINT_KEY
+        ));
     }
-    assert_eq!(c.api::<VolumeAttachment>(None).list(&ListParams::default()).await.unwrap().items.len(), 6);
-    assert!(h.metrics().encode().contains("fencecsi_podgc_disruption_mode 1"));
-    assert_eq!(events(&c, "DisruptionMode").await.len(), 1, "one event when entering, not one per pass");
+    assert_eq!(
+        c.api::<VolumeAttachment>(None)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        6
+    );
+    assert!(h
+        .metrics()
+        .encode()
+        .contains("fencecsi_podgc_disruption_mode 1"));
+    assert_eq!(
+        events(&c, "DisruptionMode").await.len(),
+        1,
+        "one event when entering, not one per pass"
+    );
     // Five come back: 1 of 10 NotReady is below the fraction; podgc acts on the last one.
     for n in names.iter().take(5) {
         set_ready(&c, n, "True", Duration::ZERO).await;
     }
     let pods = c.api::<Pod>(Some(NS));
-    wait_for("db-5 force-deleted", || async { pods.get_opt("db-5").await.unwrap().is_none() }).await;
+    wait_for("db-5 force-deleted", || async {
+        pods.get_opt("db-5").await.unwrap().is_none()
+    })
+    .await;
     for i in 0..5 {
         assert!(pods.get_opt(&format!("db-{i}")).await.unwrap().is_some());
     }
-    assert!(h.metrics().encode().contains("fencecsi_podgc_disruption_mode 0"));
+    assert!(h
+        .metrics()
+        .encode()
+        .contains("fencecsi_podgc_disruption_mode 0"));
     h.shutdown().await.unwrap();
 }
 
@@ -391,7 +523,10 @@ async fn a_pod_re_created_with_the_same_name_survives() {
     terminate(&c, "db-0").await;
     let snapshot = c.api::<Pod>(Some(NS)).get("db-0").await.unwrap();
     // The old pod goes (its kubelet finished after all), a StatefulSet re-creates the name.
-    c.api::<Pod>(Some(NS)).delete("db-0", &DeleteOptions::force()).await.unwrap();
+    c.api::<Pod>(Some(NS))
+        .delete("db-0", &DeleteOptions::force())
+        .await
+        .unwrap();
     let (new, _) = pod(&c, "db-0", "n1", None).await;
     terminate(&c, "db-0").await;
     assert_ne!(old.metadata.uid, new.metadata.uid);
@@ -399,11 +534,26 @@ async fn a_pod_re_created_with_the_same_name_survives() {
     assert_eq!(r, DeleteResult::Recreated);
     let now = c.api::<Pod>(Some(NS)).get("db-0").await.unwrap();
     assert_eq!(now.metadata.uid, new.metadata.uid);
-    assert!(now.status.as_ref().and_then(|s| s.conditions.as_ref()).is_none_or(|cs| cs.iter().all(|c| c.type_ != DISRUPTION_TARGET_CONDITION)));
+    assert!(now
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_none_or(|cs| cs.iter().all(|c| c.type_ != DISRUPTION_TARGET_CONDITION)));
     // The current one, by its own snapshot, goes.
-    assert_eq!(disrupt_and_delete(&c, &now, "test").await.unwrap(), DeleteResult::Deleted);
-    assert!(c.api::<Pod>(Some(NS)).get_opt("db-0").await.unwrap().is_none());
-    assert_eq!(disrupt_and_delete(&c, &now, "test").await.unwrap(), DeleteResult::Gone);
+    assert_eq!(
+        disrupt_and_delete(&c, &now, "test").await.unwrap(),
+        DeleteResult::Deleted
+    );
+    assert!(c
+        .api::<Pod>(Some(NS))
+        .get_opt("db-0")
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        disrupt_and_delete(&c, &now, "test").await.unwrap(),
+        DeleteResult::Gone
+    );
 }
 
 #[tokio::test]
@@ -413,49 +563,96 @@ async fn quarantine_is_lifted_only_after_ready_no_attachment_and_a_clean_report(
     let va = va.unwrap();
     // The attacher's finalizer: the attachment stays until "it detached with a fence".
     let fin = attacher_finalizer(SAFE);
-    c.api::<VolumeAttachment>(None).patch_metadata(&va, &MetadataPatch::new().add_finalizer(&fin)).await.unwrap();
+    c.api::<VolumeAttachment>(None)
+        .patch_metadata(&va, &MetadataPatch::new().add_finalizer(&fin))
+        .await
+        .unwrap();
     // An administrator's own out-of-service taint on n2 must survive podgc.
     terminate(&c, "db-0").await;
     set_ready(&c, "n1", "Unknown", Duration::from_secs(60)).await;
-    let h = PodGc::new(c.clone(), PodGcConfig { out_of_service_taint: true, ..cfg() }).spawn();
+    let h = PodGc::new(
+        c.clone(),
+        PodGcConfig {
+            out_of_service_taint: true,
+            ..cfg()
+        },
+    )
+    .spawn();
     let nodes = c.api::<Node>(None);
     let vas = c.api::<VolumeAttachment>(None);
     wait_for("attachment deletion started", || async {
-        vas.get(&va).await.unwrap().metadata.deletion_timestamp.is_some()
+        vas.get(&va)
+            .await
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some()
     })
     .await;
     let n = nodes.get("n1").await.unwrap();
     assert!(has_taint(&n, QUARANTINE_TAINT_KEY) && has_taint(&n, OUT_OF_SERVICE_TAINT_KEY));
-    assert_eq!(annotation(&n, OUT_OF_SERVICE_ADDED).map(String::as_str), Some("true"));
+    assert_eq!(
+        annotation(&n, OUT_OF_SERVICE_ADDED).map(String::as_str),
+        Some("true")
+    );
 
     let reporter = NodeCleanReporter::new(&c, "n1");
     // The node comes back and reports clean, but the fence is not done (attachment left).
     set_ready(&c, "n1", "True", Duration::ZERO).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    assert!(reporter.report_clean("n1", SystemTime::now()).await.unwrap());
+    assert!(reporter
+        .report_clean("n1", SystemTime::now())
+        .await
+        .unwrap());
     passes(&h, 4).await;
-    assert!(has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY), "attachment still there");
+    assert!(
+        has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY),
+        "attachment still there"
+    );
 
     // The attacher finishes: the attachment goes. podgc re-stamps quarantined-at, so the
     // report taken before the fence no longer counts.
     let before_fence = SystemTime::now();
-    vas.patch_metadata(&va, &MetadataPatch::new().remove_finalizer(&fin)).await.unwrap();
-    wait_for("fences-done stamp", || async { annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some() }).await;
+    vas.patch_metadata(&va, &MetadataPatch::new().remove_finalizer(&fin))
+        .await
+        .unwrap();
+    wait_for("fences-done stamp", || async {
+        annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some()
+    })
+    .await;
     passes(&h, 4).await;
     let n = nodes.get("n1").await.unwrap();
-    assert!(has_taint(&n, QUARANTINE_TAINT_KEY), "clean report older than the fences");
+    assert!(
+        has_taint(&n, QUARANTINE_TAINT_KEY),
+        "clean report older than the fences"
+    );
     // A pass that started before the fences cannot count either.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!reporter.report_clean("n1", before_fence).await.unwrap(), "too old: report again");
+    assert!(
+        !reporter.report_clean("n1", before_fence).await.unwrap(),
+        "too old: report again"
+    );
     passes(&h, 2).await;
-    assert!(has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY));
+    assert!(has_taint(
+        &nodes.get("n1").await.unwrap(),
+        QUARANTINE_TAINT_KEY
+    ));
 
     // A fresh report lifts it, with the out-of-service taint podgc added.
-    assert!(reporter.report_clean("n1", SystemTime::now()).await.unwrap());
-    wait_for("quarantine lifted", || async { !has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY) }).await;
+    assert!(reporter
+        .report_clean("n1", SystemTime::now())
+        .await
+        .unwrap());
+    wait_for("quarantine lifted", || async {
+        !has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY)
+    })
+    .await;
     let n = nodes.get("n1").await.unwrap();
     assert!(!has_taint(&n, OUT_OF_SERVICE_TAINT_KEY));
-    assert!(annotation(&n, QUARANTINED_AT_ANNOTATION).is_none() && annotation(&n, OUT_OF_SERVICE_ADDED).is_none());
+    assert!(
+        annotation(&n, QUARANTINED_AT_ANNOTATION).is_none()
+            && annotation(&n, OUT_OF_SERVICE_ADDED).is_none()
+    );
     assert!(annotation(&n, NODE_CLEAN_ANNOTATION).is_some());
     assert_eq!(events(&c, "QuarantineLifted").await.len(), 1);
     h.shutdown().await.unwrap();
@@ -476,17 +673,39 @@ async fn an_out_of_service_taint_podgc_did_not_add_stays() {
     }]);
     nodes.replace(&n).await.unwrap();
     set_ready(&c, "n1", "False", Duration::from_secs(60)).await;
-    let h = PodGc::new(c.clone(), PodGcConfig { out_of_service_taint: true, ..cfg() }).spawn();
+    let h = PodGc::new(
+        c.clone(),
+        PodGcConfig {
+            out_of_service_taint: true,
+            ..cfg()
+        },
+    )
+    .spawn();
     let pods = c.api::<Pod>(Some(NS));
-    wait_for("web-0 force-deleted", || async { pods.get_opt("web-0").await.unwrap().is_none() }).await;
+    wait_for("web-0 force-deleted", || async {
+        pods.get_opt("web-0").await.unwrap().is_none()
+    })
+    .await;
     assert!(annotation(&nodes.get("n1").await.unwrap(), OUT_OF_SERVICE_ADDED).is_none());
     set_ready(&c, "n1", "True", Duration::ZERO).await;
-    wait_for("fences done", || async { annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some() }).await;
+    wait_for("fences done", || async {
+        annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some()
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let reporter = NodeCleanReporter::new(&c, "n1");
-    assert!(reporter.report_clean("n1", SystemTime::now()).await.unwrap());
-    wait_for("lifted", || async { !has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY) }).await;
-    assert!(has_taint(&nodes.get("n1").await.unwrap(), OUT_OF_SERVICE_TAINT_KEY), "the administrator's taint stays");
+    assert!(reporter
+        .report_clean("n1", SystemTime::now())
+        .await
+        .unwrap());
+    wait_for("lifted", || async {
+        !has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY)
+    })
+    .await;
+    assert!(
+        has_taint(&nodes.get("n1").await.unwrap(), OUT_OF_SERVICE_TAINT_KEY),
+        "the administrator's taint stays"
+    );
     h.shutdown().await.unwrap();
 }
 
@@ -507,19 +726,45 @@ async fn simulated_node_shutdown_and_return() {
         .map(|n| sim::KubeletHeartbeat::new(&c, n, hb_cfg.clone()).spawn())
         .collect();
     let nodes = c.api::<Node>(None);
-    wait_for("nodes registered", || async { nodes.list(&ListParams::default()).await.unwrap().items.len() == 3 }).await;
+    wait_for("nodes registered", || async {
+        nodes
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len()
+            == 3
+    })
+    .await;
     let (_, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
-    let lc = sim::NodeLifecycle::new(&c, sim::NodeLifecycleConfig { grace: Duration::from_secs(2), interval: Duration::from_millis(100) }).spawn();
-    let te = sim::TaintEviction::new(&c, sim::TaintEvictionConfig { interval: Duration::from_millis(100), default_toleration_seconds: 1 }).spawn();
+    let lc = sim::NodeLifecycle::new(
+        &c,
+        sim::NodeLifecycleConfig {
+            grace: Duration::from_secs(2),
+            interval: Duration::from_millis(100),
+        },
+    )
+    .spawn();
+    let te = sim::TaintEviction::new(
+        &c,
+        sim::TaintEvictionConfig {
+            interval: Duration::from_millis(100),
+            default_toleration_seconds: 1,
+        },
+    )
+    .spawn();
     let h = PodGc::new(
         c.clone(),
         PodGcConfig {
             node_lease_grace: Some(Duration::from_secs(2)),
-            leader_election: Some(LeaderElectionConfig::new("kube-system", "fencecsi-podgc", "podgc-test").with_timing(
-                Duration::from_secs(3),
-                Duration::from_secs(2),
-                Duration::from_millis(200),
-            )),
+            leader_election: Some(
+                LeaderElectionConfig::new("kube-system", "fencecsi-podgc", "podgc-test")
+                    .with_timing(
+                        Duration::from_secs(3),
+                        Duration::from_secs(2),
+                        Duration::from_millis(200),
+                    ),
+            ),
             ..cfg()
         },
     )
@@ -529,26 +774,52 @@ async fn simulated_node_shutdown_and_return() {
     assert!(pods.get_opt("db-0").await.unwrap().is_some());
 
     hbs[0].stop();
-    wait_for("db-0 force-deleted by podgc", || async { pods.get_opt("db-0").await.unwrap().is_none() }).await;
+    wait_for("db-0 force-deleted by podgc", || async {
+        pods.get_opt("db-0").await.unwrap().is_none()
+    })
+    .await;
     let vas = c.api::<VolumeAttachment>(None);
-    wait_for("attachment deleted", || async { vas.get_opt(va.as_ref().unwrap()).await.unwrap().is_none() }).await;
-    assert!(has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY));
+    wait_for("attachment deleted", || async {
+        vas.get_opt(va.as_ref().unwrap()).await.unwrap().is_none()
+    })
+    .await;
+    assert!(has_taint(
+        &nodes.get("n1").await.unwrap(),
+        QUARANTINE_TAINT_KEY
+    ));
     assert_eq!(h.metrics().force_deleted_count("safe-detach-volumes"), 1);
-    let deleted_by: BTreeMap<_, _> = events(&c, "TerminatingPodsForceDeleted").await.into_iter().map(|e| (e.regarding.and_then(|r| r.name), e.reporting_controller)).collect();
-    assert_eq!(deleted_by.get(&Some("n1".to_string())), Some(&Some(fencecsi_podgc::CONTROLLER_NAME.to_string())));
+    let deleted_by: BTreeMap<_, _> = events(&c, "TerminatingPodsForceDeleted")
+        .await
+        .into_iter()
+        .map(|e| (e.regarding.and_then(|r| r.name), e.reporting_controller))
+        .collect();
+    assert_eq!(
+        deleted_by.get(&Some("n1".to_string())),
+        Some(&Some(fencecsi_podgc::CONTROLLER_NAME.to_string()))
+    );
 
     // The node returns; its node plugin reports clean after a pass that started now.
     hbs[0].start();
-    wait_for("fences done", || async { annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some() }).await;
+    wait_for("fences done", || async {
+        annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some()
+    })
+    .await;
     let reporter = NodeCleanReporter::new(&c, "n1");
     wait_for("clean report accepted and quarantine lifted", || async {
-        let _ = reporter.report_clean("n1", SystemTime::now()).await.unwrap();
+        let _ = reporter
+            .report_clean("n1", SystemTime::now())
+            .await
+            .unwrap();
         !has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY)
     })
     .await;
     h.shutdown().await.unwrap();
     // The leader lease was released on shutdown.
-    let lease = c.api::<fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease>(Some("kube-system")).get("fencecsi-podgc").await.unwrap();
+    let lease = c
+        .api::<fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease>(Some("kube-system"))
+        .get("fencecsi-podgc")
+        .await
+        .unwrap();
     assert!(lease.spec.unwrap().holder_identity.is_none());
     for hb in hbs {
         hb.shutdown().await;
@@ -578,14 +849,23 @@ async fn metrics_and_healthz_are_served() {
     h.next_pass().await;
     let get = |path: &'static str| async move {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).await.unwrap();
         out
     };
     let m = get("/metrics").await;
     assert!(m.starts_with("HTTP/1.1 200"), "{m}");
-    for name in ["fencecsi_podgc_passes_total", "fencecsi_podgc_quarantined_nodes", "fencecsi_podgc_disruption_mode", "fencecsi_podgc_leader 1"] {
+    for name in [
+        "fencecsi_podgc_passes_total",
+        "fencecsi_podgc_quarantined_nodes",
+        "fencecsi_podgc_disruption_mode",
+        "fencecsi_podgc_leader 1",
+    ] {
         assert!(m.contains(name), "{name} missing: {m}");
     }
     assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));

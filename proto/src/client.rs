@@ -10,6 +10,17 @@ use crate::v1::controller_client::ControllerClient;
 use crate::v1::identity_client::IdentityClient;
 use crate::v1::node_client::NodeClient;
 
+/// Request header by which a caller says it understands the fence
+/// extensions; plugins may show `UNPUBLISH_FENCE`/`FORCE_UNPUBLISH` only then.
+pub const EXTENSIONS_HEADER: &str = "x-fencecsi-extensions";
+
+/// Wraps a request so the plugin shows the fence extensions.
+pub fn with_extensions<T>(message: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut().insert(EXTENSIONS_HEADER, tonic::metadata::MetadataValue::from_static("1"));
+    r
+}
+
 /// Turns `unix:///path` or a plain absolute path into the socket path.
 pub fn socket_path(endpoint: &str) -> PathBuf {
     PathBuf::from(endpoint.strip_prefix("unix://").unwrap_or(endpoint))

@@ -40,12 +40,21 @@ impl Rig {
     /// Starts a controller (in its own process-local server) and one node
     /// plugin per name.
     pub async fn start(env: &Env, nodes: &[&str]) -> Rig {
+        Self::start_with(env, nodes, |_| {}).await
+    }
+
+    /// As [`Rig::start`], with each plugin's configuration adjusted first.
+    pub async fn start_with(env: &Env, nodes: &[&str], tweak: impl Fn(&mut fencecsi_driver::config::Config)) -> Rig {
         let mut plugins = Vec::new();
-        let (p, controller) = InProcess::start(env.config(Mode::Controller, None, "controller")).await;
+        let mut cfg = env.config(Mode::Controller, None, "controller");
+        tweak(&mut cfg);
+        let (p, controller) = InProcess::start(cfg).await;
         plugins.push(p);
         let mut clients = HashMap::new();
         for n in nodes {
-            let (p, c) = InProcess::start(env.config(Mode::Node, Some(n), &format!("node-{n}"))).await;
+            let mut cfg = env.config(Mode::Node, Some(n), &format!("node-{n}"));
+            tweak(&mut cfg);
+            let (p, c) = InProcess::start(cfg).await;
             plugins.push(p);
             clients.insert(n.to_string(), c);
         }

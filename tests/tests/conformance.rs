@@ -11,6 +11,7 @@ use fencecsi_driver::config::{Mode, DEFAULT_DRIVER_NAME};
 use fencecsi_driver::controller::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY, TOPOLOGY_KEY};
 use fencecsi_driver::mounts;
 use fencecsi_proto::client::CsiClient;
+use fencecsi_proto::client::with_extensions;
 use fencecsi_tests::csi::controller_service_capability::rpc::Type as CtlRpc;
 use fencecsi_tests::csi::node_service_capability::rpc::Type as NodeRpc;
 use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
@@ -365,9 +366,40 @@ async fn controller_and_node_capabilities_and_node_info() {
 
     assert_eq!(CtlRpc::UnpublishFence as i32, 1000);
     assert_eq!(NodeRpc::ForceUnpublish as i32, 1000);
-    let ctl: BTreeSet<i32> = c
+    // A standard caller sees only standard capabilities (conformance suites
+    // reject unknown values); a caller that asks for the extensions sees them.
+    let plain: Vec<i32> = c
         .controller
         .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(csi::controller_service_capability::Type::Rpc(r)) => Some(r.r#type),
+            _ => None,
+        })
+        .collect();
+    assert!(plain.iter().all(|t| *t < 1000), "standard caller saw an extension: {plain:?}");
+    let plain_node: Vec<i32> = c
+        .node
+        .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(csi::node_service_capability::Type::Rpc(r)) => Some(r.r#type),
+            _ => None,
+        })
+        .collect();
+    assert!(plain_node.iter().all(|t| *t < 1000), "standard caller saw an extension: {plain_node:?}");
+
+    let ctl: BTreeSet<i32> = c
+        .controller
+        .controller_get_capabilities(with_extensions(csi::ControllerGetCapabilitiesRequest {}))
         .await
         .unwrap()
         .into_inner()
@@ -409,7 +441,7 @@ async fn controller_and_node_capabilities_and_node_info() {
 
     let node: BTreeSet<i32> = c
         .node
-        .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+        .node_get_capabilities(with_extensions(csi::NodeGetCapabilitiesRequest {}))
         .await
         .unwrap()
         .into_inner()
@@ -1211,6 +1243,18 @@ async fn controller_publish_unpublish() {
             .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest::default()),
         Code::InvalidArgument
     );
+    // A volume that does not exist is published nowhere: OK, as the spec recommends.
+    for missing in ["vol-00000000000000000000000000000000", "some-foreign-id"] {
+        assert_code!(
+            c.controller.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                volume_id: missing.into(),
+                node_id: "node-a".into(),
+                fence: true,
+                ..Default::default()
+            }),
+            Code::Ok
+        );
+    }
     assert!(published(&c, id.clone()).await.is_empty());
 
     // Read-only publish.

@@ -96,7 +96,10 @@ async fn torture(mode: &str) {
     let (mut rng, seed) = Rng::from_env("FENCECSI_TORTURE_SEED");
     eprintln!("fence torture {mode}: {runs} runs, seed {seed}");
     let env = Env::new();
-    let rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    // Half the runs on buffered loop devices (the default), half with the
+    // loop devices doing direct I/O to the image: the fence must hold in both.
+    let mut loop_dio = false;
+    let mut rig = Rig::start_with(&env, &["node-a", "node-b"], |c| c.direct_io = false).await;
     let (cap, size) = match mode {
         "block" => (block_cap(Access::SingleNodeWriter), 64 << 20),
         "xfs" => (mount_cap(Access::SingleNodeWriter, "xfs"), 300 << 20),
@@ -104,6 +107,11 @@ async fn torture(mode: &str) {
     };
     let mut fence_ms = Vec::new();
     for run in 0..runs {
+        if run == runs / 2 {
+            rig.stop().await;
+            loop_dio = true;
+            rig = Rig::start_with(&env, &["node-a", "node-b"], |c| c.direct_io = true).await;
+        }
         let vol = rig.create(&format!("torture-{mode}-{run}"), size, &cap).await;
         let a = rig.attach(&env, &vol.volume_id, "node-a", &format!("pod-a-{run}"), &cap).await.expect("attach on node A");
         let path = if mode == "block" { a.target.clone() } else { a.target.join("records.log") };
@@ -129,7 +137,7 @@ async fn torture(mode: &str) {
         .await;
         tokio::time::sleep(Duration::from_millis(rng.range(100, 400))).await;
         let (acked, errors) = writer.stop();
-        assert_eq!(sparse_hash(&fenced), at_fence, "run {run} ({mode}, direct={direct}, seed {seed}): fenced generation changed after the fence returned");
+        assert_eq!(sparse_hash(&fenced), at_fence, "run {run} ({mode}, direct={direct}, loop dio={loop_dio}, seed {seed}): fenced generation changed after the fence returned");
         assert!(!errors.is_empty(), "run {run}: the writer saw no error after the fence");
 
         if run == 0 {
@@ -150,7 +158,7 @@ async fn torture(mode: &str) {
         };
         if acked > 0 {
             let lost = missing(&data, acked - 1);
-            assert!(lost.is_empty(), "run {run} ({mode}, direct={direct}, seed {seed}): {} of {acked} acknowledged records missing or damaged on node B: {:?}", lost.len(), &lost[..lost.len().min(10)]);
+            assert!(lost.is_empty(), "run {run} ({mode}, direct={direct}, loop dio={loop_dio}, seed {seed}): {} of {acked} acknowledged records missing or damaged on node B: {:?}", lost.len(), &lost[..lost.len().min(10)]);
         }
 
         // Node A returns: force teardown of the fenced attachment; node B detaches normally.
@@ -159,7 +167,7 @@ async fn torture(mode: &str) {
         rig.unpublish(&vol.volume_id, "node-b", false).await.unwrap();
         rig.delete(&vol.volume_id).await.expect("delete after cleanup");
         env.assert_clean();
-        eprintln!("  run {run:>2}: {acked:>5} records acknowledged, {:>4} errors after fence, fence {:.1} ms, direct={direct}", errors.len(), fence_ms.last().unwrap());
+        eprintln!("  run {run:>2}: {acked:>5} records acknowledged, {:>4} errors after fence, fence {:.1} ms, writer O_DIRECT={direct}, loop dio={loop_dio}", errors.len(), fence_ms.last().unwrap());
     }
     fence_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
     eprintln!("fence torture {mode}: {runs} runs ok; fence latency p50 {:.1} ms, max {:.1} ms", fence_ms[fence_ms.len() / 2], fence_ms.last().unwrap());

@@ -41,7 +41,13 @@ pub fn pv(name: &str, handle: &str, block: bool, access: &str) -> PersistentVolu
     pv_of(name, handle, block, access, DRIVER)
 }
 
-pub fn pv_of(name: &str, handle: &str, block: bool, access: &str, driver: &str) -> PersistentVolume {
+pub fn pv_of(
+    name: &str,
+    handle: &str,
+    block: bool,
+    access: &str,
+    driver: &str,
+) -> PersistentVolume {
     PersistentVolume {
         metadata: meta(name),
         spec: Some(PersistentVolumeSpec {
@@ -63,7 +69,14 @@ pub fn ready_condition(ready: bool) -> NodeCondition {
     NodeCondition {
         type_: "Ready".into(),
         status: if ready { "True" } else { "Unknown" }.into(),
-        reason: Some(if ready { "KubeletReady" } else { "NodeStatusUnknown" }.into()),
+        reason: Some(
+            if ready {
+                "KubeletReady"
+            } else {
+                "NodeStatusUnknown"
+            }
+            .into(),
+        ),
         ..Default::default()
     }
 }
@@ -130,7 +143,11 @@ pub fn test_config(socket: &Path) -> Config {
 
 /// A node, its CSINode, all in the cluster.
 pub async fn register_node(cluster: &Cluster, name: &str, ready: bool) {
-    cluster.api::<Node>(None).create(&node(name, ready)).await.unwrap();
+    cluster
+        .api::<Node>(None)
+        .create(&node(name, ready))
+        .await
+        .unwrap();
     cluster
         .api::<CSINode>(None)
         .create(&csinode(name, name))
@@ -201,7 +218,10 @@ where
         if let Some(v) = f().await {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -209,15 +229,19 @@ where
 /// Waits until the VolumeAttachment `name` reports attached; returns it.
 pub async fn wait_attached(cluster: &Cluster, name: &str, timeout: Duration) -> VolumeAttachment {
     let vas = cluster.api::<VolumeAttachment>(None);
-    eventually(timeout, &format!("VolumeAttachment {name} attached"), || {
-        let vas = vas.clone();
-        async move {
-            vas.get_opt(name)
-                .await
-                .unwrap()
-                .filter(|v| v.status.as_ref().is_some_and(|s| s.attached))
-        }
-    })
+    eventually(
+        timeout,
+        &format!("VolumeAttachment {name} attached"),
+        || {
+            let vas = vas.clone();
+            async move {
+                vas.get_opt(name)
+                    .await
+                    .unwrap()
+                    .filter(|v| v.status.as_ref().is_some_and(|s| s.attached))
+            }
+        },
+    )
     .await
 }
 
@@ -256,8 +280,12 @@ impl GatedProxy {
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             loop {
-                let Ok((client, _)) = listener.accept().await else { continue };
-                let Ok(server) = UnixStream::connect(&upstream).await else { continue };
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let Ok(server) = UnixStream::connect(&upstream).await else {
+                    continue;
+                };
                 let (mut cr, mut cw) = client.into_split();
                 let (mut sr, mut sw) = server.into_split();
                 conns.spawn(async move {

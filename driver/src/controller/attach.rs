@@ -176,12 +176,17 @@ impl Controller {
         if !req.node_id.is_empty() {
             check_token("node ID", &req.node_id)?;
         }
-        let (id, _) = self.existing_volume(&req.volume_id)?;
+        // A volume that does not exist is published nowhere: as the spec
+        // recommends, that unpublish is done (and nothing can write to it).
+        let id = match crate::ids::VolumeId::parse(&req.volume_id)? {
+            crate::ids::Parsed::Ours(id) => id,
+            crate::ids::Parsed::Foreign => return Ok(ControllerUnpublishVolumeResponse {}),
+        };
         let _lock = self.inflight.try_lock(id.as_str())?;
-        let mut v = self
-            .store
-            .volume(&id)
-            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        let Some(mut v) = self.store.volume(&id) else {
+            tracing::info!(volume = %id, "unpublish of a volume that does not exist: nothing to do");
+            return Ok(ControllerUnpublishVolumeResponse {});
+        };
         let nodes: Vec<String> = if req.node_id.is_empty() {
             v.attachments.keys().cloned().collect()
         } else {

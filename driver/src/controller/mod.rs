@@ -89,7 +89,7 @@ impl Controller {
             .map_err(|e| CsiError::internal("writing volume metadata", e))
     }
 
-    fn capabilities() -> Vec<ControllerServiceCapability> {
+    fn capabilities(extensions: bool) -> Vec<ControllerServiceCapability> {
         [
             RpcType::CreateDeleteVolume,
             RpcType::PublishUnpublishVolume,
@@ -107,6 +107,7 @@ impl Controller {
             RpcType::UnpublishFence,
         ]
         .into_iter()
+        .filter(|t| extensions || *t != RpcType::UnpublishFence)
         .map(|t| ControllerServiceCapability {
             r#type: Some(CapType::Rpc(Rpc { r#type: t as i32 })),
         })
@@ -199,10 +200,11 @@ impl CsiController for ControllerService {
     }
     async fn controller_get_capabilities(
         &self,
-        _r: Request<ControllerGetCapabilitiesRequest>,
+        r: Request<ControllerGetCapabilitiesRequest>,
     ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        let ext = self.0.cfg.advertise_extensions.shown(r.metadata());
         Ok(Response::new(ControllerGetCapabilitiesResponse {
-            capabilities: Controller::capabilities(),
+            capabilities: Controller::capabilities(ext),
         }))
     }
     async fn create_snapshot(

@@ -114,7 +114,7 @@ impl Node {
             .collect())
     }
 
-    fn capabilities() -> Vec<NodeServiceCapability> {
+    fn capabilities(extensions: bool) -> Vec<NodeServiceCapability> {
         [
             RpcType::StageUnstageVolume,
             RpcType::GetVolumeStats,
@@ -124,6 +124,7 @@ impl Node {
             RpcType::ForceUnpublish,
         ]
         .into_iter()
+        .filter(|t| extensions || *t != RpcType::ForceUnpublish)
         .map(|t| NodeServiceCapability {
             r#type: Some(CapType::Rpc(Rpc { r#type: t as i32 })),
         })
@@ -234,10 +235,11 @@ impl CsiNode for NodeService {
     }
     async fn node_get_capabilities(
         &self,
-        _r: Request<NodeGetCapabilitiesRequest>,
+        r: Request<NodeGetCapabilitiesRequest>,
     ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        let ext = self.0.cfg.advertise_extensions.shown(r.metadata());
         Ok(Response::new(NodeGetCapabilitiesResponse {
-            capabilities: Node::capabilities(),
+            capabilities: Node::capabilities(ext),
         }))
     }
     async fn node_get_info(
