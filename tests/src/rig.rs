@@ -12,6 +12,26 @@ use tonic::Status;
 
 use crate::{csi, Env, InProcess};
 
+/// Calls `f` again while it answers ABORTED (another operation on the same
+/// volume, e.g. the controller's garbage collection, is in flight): what a
+/// CO does with that code.
+pub async fn retry_aborted<T, F, Fut>(mut f: F) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Status>>,
+{
+    let mut tries = 0;
+    loop {
+        match f().await {
+            Err(e) if e.code() == tonic::Code::Aborted && tries < 100 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 pub struct Rig {
     pub controller: CsiClient,
     pub nodes: HashMap<String, CsiClient>,
@@ -94,19 +114,19 @@ impl Rig {
 
     /// ControllerPublish, NodeStage, NodePublish on `node`.
     pub async fn attach(&self, env: &Env, volume_id: &str, node: &str, pod: &str, cap: &csi::VolumeCapability) -> Result<Placement, Status> {
-        let ctx = self
-            .controller
-            .clone()
-            .controller
-            .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+        let ctx = retry_aborted(|| {
+            let mut c = self.controller.clone();
+            let req = csi::ControllerPublishVolumeRequest {
                 volume_id: volume_id.into(),
                 node_id: node.into(),
                 volume_capability: Some(cap.clone()),
                 ..Default::default()
-            })
-            .await?
-            .into_inner()
-            .publish_context;
+            };
+            async move { c.controller.controller_publish_volume(req).await }
+        })
+        .await?
+        .into_inner()
+        .publish_context;
         let staging = env.staging_path(node, volume_id);
         let target = env.target_path(node, pod, volume_id);
         std::fs::create_dir_all(target.parent().unwrap()).unwrap();
@@ -146,16 +166,23 @@ impl Rig {
     }
 
     pub async fn unpublish(&self, volume_id: &str, node: &str, fence: bool) -> Result<(), Status> {
-        self.controller
-            .clone()
-            .controller
-            .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest { volume_id: volume_id.into(), node_id: node.into(), fence, ..Default::default() })
-            .await
-            .map(|_| ())
+        retry_aborted(|| {
+            let mut c = self.controller.clone();
+            let req = csi::ControllerUnpublishVolumeRequest { volume_id: volume_id.into(), node_id: node.into(), fence, ..Default::default() };
+            async move { c.controller.controller_unpublish_volume(req).await }
+        })
+        .await
+        .map(|_| ())
     }
 
     pub async fn delete(&self, volume_id: &str) -> Result<(), Status> {
-        self.controller.clone().controller.delete_volume(csi::DeleteVolumeRequest { volume_id: volume_id.into(), ..Default::default() }).await.map(|_| ())
+        retry_aborted(|| {
+            let mut c = self.controller.clone();
+            let req = csi::DeleteVolumeRequest { volume_id: volume_id.into(), ..Default::default() };
+            async move { c.controller.delete_volume(req).await }
+        })
+            .await
+            .map(|_| ())
     }
 
     pub async fn stop(self) {

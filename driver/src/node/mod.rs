@@ -29,23 +29,40 @@ use crate::locks::InFlight;
 use crate::loopdev::{self, LoopInfo};
 use crate::paths::AllowedRoots;
 
-/// Loop devices this driver attaches carry `fcsi:<volume hex>:<generation>`
-/// as their file name (at most 58 bytes, inside the kernel's 63), so cleanup
-/// never mistakes someone else's device (kubelet's own block-volume lock
-/// device, say) for ours.
+/// Loop devices this driver attaches carry
+/// `fcsi:<volume hex>:<generation hex>:<node>` as their file name, where
+/// `<node>` is 8 hex digits of sha256(node ID): at most 63 bytes, the
+/// kernel's limit. The tag tells cleanup which devices are ours at all
+/// (never kubelet's own block-volume lock device, say) and, since several
+/// node plugins may share one kernel (kind, the drill), which node's.
 const TAG_PREFIX: &str = "fcsi:";
 
-pub fn loop_tag(vol: &VolumeId, gen: u64) -> String {
+/// 8 hex digits naming a node inside loop tags.
+pub fn node_tag(node_id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(&Sha256::digest(node_id.as_bytes())[..4])
+}
+
+pub fn loop_tag(vol: &VolumeId, gen: u64, node_id: &str) -> String {
     let hex = vol.as_str().trim_start_matches("vol-");
-    format!("{TAG_PREFIX}{hex}:{gen}")
+    format!("{TAG_PREFIX}{hex}:{gen:x}:{}", node_tag(node_id))
 }
 
 /// (volume, generation) of one of our loop devices, from its tag.
 pub fn parse_tag(tag: &str) -> Option<(VolumeId, u64)> {
+    parse_tag_full(tag).map(|(v, g, _)| (v, g))
+}
+
+/// (volume, generation, node tag) of one of our loop devices.
+pub fn parse_tag_full(tag: &str) -> Option<(VolumeId, u64, &str)> {
     let rest = tag.strip_prefix(TAG_PREFIX)?;
-    let (hex, gen) = rest.rsplit_once(':')?;
+    let mut parts = rest.split(':');
+    let (hex, gen, node) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || node.len() != 8 || !node.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
     match VolumeId::parse(&format!("vol-{hex}")) {
-        Ok(Parsed::Ours(v)) => Some((v, gen.parse().ok()?)),
+        Ok(Parsed::Ours(v)) => Some((v, u64::from_str_radix(gen, 16).ok()?, node)),
         _ => None,
     }
 }
@@ -104,12 +121,14 @@ impl Node {
     /// Our loop devices for a volume (any generation).
     pub(crate) fn loops_of(&self, id: &VolumeId) -> CsiResult<Vec<(LoopInfo, u64)>> {
         let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
+        let me = node_tag(&self.node_id);
         Ok(all
             .into_iter()
             .filter_map(|l| {
-                parse_tag(&l.tag)
-                    .filter(|(v, _)| v == id)
-                    .map(|(_, g)| (l, g))
+                parse_tag_full(&l.tag)
+                    .filter(|(v, _, n)| v == id && *n == me)
+                    .map(|(_, g, _)| g)
+                    .map(|g| (l, g))
             })
             .collect())
     }
@@ -267,15 +286,15 @@ mod tests {
     #[test]
     fn tags_round_trip_and_foreign_tags_are_ignored() {
         let v = VolumeId::generate();
-        assert_eq!(parse_tag(&loop_tag(&v, 7)), Some((v.clone(), 7)));
-        assert!(loop_tag(&v, u64::MAX).len() <= crate::loopdev::MAX_TAG_LEN, "must fit lo_file_name");
-        for other in [
-            "/var/lib/kubelet/plugins/x",
-            "fencecsi:",
-            "fencecsi:vol-x:1",
-            "fencecsi:../../etc:1",
-        ] {
+        let tag = loop_tag(&v, 7, "node-a");
+        assert_eq!(parse_tag(&tag), Some((v.clone(), 7)));
+        assert_eq!(parse_tag_full(&tag).map(|t| t.2.to_string()), Some(node_tag("node-a")));
+        assert_ne!(node_tag("node-a"), node_tag("node-b"));
+        assert!(loop_tag(&v, u64::MAX, "n").len() <= crate::loopdev::MAX_TAG_LEN, "must fit lo_file_name");
+        assert_eq!(parse_tag(&loop_tag(&v, u64::MAX, "n")), Some((v.clone(), u64::MAX)));
+        for other in ["/var/lib/kubelet/plugins/x", "fcsi:", "fcsi:x:1:00000000", "fcsi:../../etc:1:00000000", "fencecsi:vol-1:1"] {
             assert_eq!(parse_tag(other), None, "{other}");
         }
     }
+
 }

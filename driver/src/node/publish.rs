@@ -131,7 +131,7 @@ impl Node {
         if lo.read_only {
             return Ok(None);
         }
-        let tag = loop_tag(id, gen);
+        let tag = loop_tag(id, gen, &self.node_id);
         if let Some(twin) = loopdev::find_by_inode(lo.backing_dev, lo.backing_ino)
             .map_err(|e| CsiError::internal("listing loop devices", e))?
             .into_iter()

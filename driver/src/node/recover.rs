@@ -34,7 +34,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{watch, Notify};
 
 use super::stage::rdev;
-use super::{parse_tag, remove_target, Node};
+use super::{node_tag, parse_tag_full, remove_target, Node};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::VolumeId;
 use crate::loopdev::{self, LoopError, LoopInfo};
@@ -157,9 +157,13 @@ impl Node {
         let mut metas = BTreeMap::new();
         let mut out: BTreeMap<VolumeId, Vec<Held>> = BTreeMap::new();
         for lo in all {
-            let Some((id, gen)) = parse_tag(&lo.tag) else {
+            // Only this node's devices: other node plugins may share the kernel.
+            let Some((id, gen, node)) = parse_tag_full(&lo.tag) else {
                 continue;
             };
+            if node != node_tag(&self.node_id) {
+                continue;
+            }
             if !metas.contains_key(&id) {
                 let m = self.read_meta(&id)?;
                 metas.insert(id.clone(), m);

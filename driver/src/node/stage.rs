@@ -145,7 +145,7 @@ impl Node {
         image: &Path,
         readonly: bool,
     ) -> CsiResult<LoopInfo> {
-        let tag = loop_tag(id, gen);
+        let tag = loop_tag(id, gen, &self.node_id);
         let (dev, ino) = crate::fsops::dev_ino(image)
             .map_err(|e| CsiError::internal("inspecting the image", e))?;
         let existing = loopdev::find_by_inode(dev, ino)
