@@ -68,7 +68,10 @@ mod tests {
 
     #[test]
     fn finalizer_and_attachment_names_match_upstream_forms() {
-        assert_eq!(attacher_finalizer("loop.fencecsi.io"), "external-attacher/loop.fencecsi.io");
+        assert_eq!(
+            attacher_finalizer("loop.fencecsi.io"),
+            "external-attacher/loop.fencecsi.io"
+        );
         assert_eq!(attacher_finalizer("a/b"), "external-attacher/a-b");
         let n = volume_attachment_name("vol-1", DRIVER_NAME, "node-a");
         assert!(n.starts_with("csi-") && n.len() == 68, "{n}");

@@ -44,7 +44,9 @@ impl Extensions {
         match self {
             Extensions::Always => true,
             Extensions::Never => false,
-            Extensions::Negotiated => metadata.contains_key(fencecsi_proto::client::EXTENSIONS_HEADER),
+            Extensions::Negotiated => {
+                metadata.contains_key(fencecsi_proto::client::EXTENSIONS_HEADER)
+            }
         }
     }
 }
@@ -131,7 +133,9 @@ pub struct Config {
 /// Parses "10s", "500ms", "2m", "1h" or plain seconds.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let n: f64 = num
         .parse()

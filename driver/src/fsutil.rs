@@ -200,9 +200,16 @@ fn has_cap_sys_resource() -> bool {
 /// grown filesystem without running a tool.
 pub fn ext4_size(device: &Path) -> Result<u64, FsError> {
     use std::os::unix::fs::FileExt;
-    let f = std::fs::File::open(device).map_err(|source| FsError::Io { path: device.into(), source })?;
+    let f = std::fs::File::open(device).map_err(|source| FsError::Io {
+        path: device.into(),
+        source,
+    })?;
     let mut sb = [0u8; 1024];
-    f.read_exact_at(&mut sb, 1024).map_err(|source| FsError::Io { path: device.into(), source })?;
+    f.read_exact_at(&mut sb, 1024)
+        .map_err(|source| FsError::Io {
+            path: device.into(),
+            source,
+        })?;
     let u32_at = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().unwrap()) as u64;
     if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
         return Err(FsError::Unsupported("no ext2/3/4 superblock".into()));

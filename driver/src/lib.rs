@@ -21,4 +21,5 @@ pub mod loopdev;
 pub mod mounts;
 pub mod node;
 pub mod paths;
+pub mod rpc;
 pub mod server;

@@ -64,11 +64,7 @@ impl AllowedRoots {
         }
         // Refused here rather than by mkdir(2) half-way through staging,
         // after the loop device is attached and the volume formatted.
-        if raw.len() >= PATH_MAX
-            || path
-                .components()
-                .any(|c| c.as_os_str().len() > NAME_MAX)
-        {
+        if raw.len() >= PATH_MAX || path.components().any(|c| c.as_os_str().len() > NAME_MAX) {
             return Err(PathError::TooLong { what });
         }
         let resolved = resolve_existing_prefix(path);

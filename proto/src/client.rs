@@ -17,7 +17,10 @@ pub const EXTENSIONS_HEADER: &str = "x-fencecsi-extensions";
 /// Wraps a request so the plugin shows the fence extensions.
 pub fn with_extensions<T>(message: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(message);
-    r.metadata_mut().insert(EXTENSIONS_HEADER, tonic::metadata::MetadataValue::from_static("1"));
+    r.metadata_mut().insert(
+        EXTENSIONS_HEADER,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
     r
 }
 

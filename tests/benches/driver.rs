@@ -17,14 +17,18 @@ async fn main() {
         eprintln!("SKIPPED: the driver benchmark needs root and loop devices");
         return;
     }
-    let n: usize = std::env::var("FENCECSI_BENCH_VOLUMES").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
+    let n: usize = std::env::var("FENCECSI_BENCH_VOLUMES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50);
     let env = Env::new();
     let rig = Rig::start(&env, &["node-a"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let mut node = rig.node("node-a");
     let mut ctl = rig.controller.clone();
 
-    let (mut create, mut publish_ctl, mut stage, mut publish, mut unpublish, mut unstage) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut create, mut publish_ctl, mut stage, mut publish, mut unpublish, mut unstage) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
     for i in 0..n {
         let t = Instant::now();
         let vol = rig.create(&format!("bench-{i}"), 64 << 20, &cap).await;
@@ -32,19 +36,33 @@ async fn main() {
         let t = Instant::now();
         let ctx = ctl
             .controller
-            .controller_publish_volume(csi::ControllerPublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), volume_capability: Some(cap.clone()), ..Default::default() })
+            .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                volume_id: vol.volume_id.clone(),
+                node_id: "node-a".into(),
+                volume_capability: Some(cap.clone()),
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner()
             .publish_context;
         publish_ctl.push(t.elapsed());
-        let staging = env.staging_path("node-a", &vol.volume_id).to_string_lossy().to_string();
+        let staging = env
+            .staging_path("node-a", &vol.volume_id)
+            .to_string_lossy()
+            .to_string();
         let target = env.target_path("node-a", &format!("pod-{i}"), &vol.volume_id);
         std::fs::create_dir_all(target.parent().unwrap()).unwrap();
         let target = target.to_string_lossy().to_string();
         let t = Instant::now();
         node.node
-            .node_stage_volume(csi::NodeStageVolumeRequest { volume_id: vol.volume_id.clone(), publish_context: ctx.clone(), staging_target_path: staging.clone(), volume_capability: Some(cap.clone()), ..Default::default() })
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: vol.volume_id.clone(),
+                publish_context: ctx.clone(),
+                staging_target_path: staging.clone(),
+                volume_capability: Some(cap.clone()),
+                ..Default::default()
+            })
             .await
             .unwrap();
         stage.push(t.elapsed());
@@ -62,12 +80,28 @@ async fn main() {
             .unwrap();
         publish.push(t.elapsed());
         let t = Instant::now();
-        node.node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: vol.volume_id.clone(), target_path: target, force: false }).await.unwrap();
+        node.node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: vol.volume_id.clone(),
+                target_path: target,
+                force: false,
+            })
+            .await
+            .unwrap();
         unpublish.push(t.elapsed());
         let t = Instant::now();
-        node.node.node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: vol.volume_id.clone(), staging_target_path: staging, force: false }).await.unwrap();
+        node.node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: vol.volume_id.clone(),
+                staging_target_path: staging,
+                force: false,
+            })
+            .await
+            .unwrap();
         unstage.push(t.elapsed());
-        rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
+        rig.unpublish(&vol.volume_id, "node-a", false)
+            .await
+            .unwrap();
         rig.delete(&vol.volume_id).await.unwrap();
     }
     println!("## RPC latency over {n} volumes (64 MiB ext4, first stage includes mkfs)\n");
@@ -80,13 +114,20 @@ async fn main() {
         ("NodeUnpublishVolume", &unpublish),
         ("NodeUnstageVolume", &unstage),
     ] {
-        println!("| {name} | {:.2} | {:.2} |", pct_ms(v, 50.0), pct_ms(v, 99.0));
+        println!(
+            "| {name} | {:.2} | {:.2} |",
+            pct_ms(v, 50.0),
+            pct_ms(v, 99.0)
+        );
     }
 
     // Throughput: a 2 GiB volume published on node-a against a plain file
     // next to the images (same backing filesystem), same I/O pattern.
     let vol = rig.create("bench-io", 2 << 30, &cap).await;
-    let p = rig.attach(&env, &vol.volume_id, "node-a", "pod-io", &cap).await.unwrap();
+    let p = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod-io", &cap)
+        .await
+        .unwrap();
     let plain_dir = env.state_dir().join("plain");
     std::fs::create_dir_all(&plain_dir).unwrap();
     let seq_total: u64 = 512 << 20;
@@ -114,11 +155,18 @@ async fn main() {
     };
     println!("\n## Write throughput through the published mount vs a plain file on the backing filesystem (median of 3)\n");
     println!("| workload | plain file | fencecsi volume | ratio |\n|---|---:|---:|---:|");
-    println!("| sequential 1 MiB O_DIRECT, 512 MiB + fdatasync | {:.0} MiB/s | {:.0} MiB/s | {:.0}% |", med(0), med(1), med(1) / med(0) * 100.0);
+    println!(
+        "| sequential 1 MiB O_DIRECT, 512 MiB + fdatasync | {:.0} MiB/s | {:.0} MiB/s | {:.0}% |",
+        med(0),
+        med(1),
+        med(1) / med(0) * 100.0
+    );
     println!("| random 4 KiB O_DIRECT overwrite, 1 writer (QD1), 20k in 256 MiB | {:.0} IOPS | {:.0} IOPS | {:.0}% |", med(2), med(3), med(3) / med(2) * 100.0);
     println!("| random 4 KiB O_DIRECT overwrite, 4 writers, 20k in 256 MiB | {:.0} IOPS | {:.0} IOPS | {:.0}% |", med(4), med(5), med(5) / med(4) * 100.0);
     rig.node_teardown(&p, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .unwrap();
     rig.delete(&vol.volume_id).await.unwrap();
     let _ = std::fs::remove_dir_all(&plain_dir);
     rig.stop().await;

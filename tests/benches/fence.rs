@@ -19,7 +19,15 @@ use fencecsi_tests::{block_cap, Access, Env};
 fn backend(outer: &Env, kind: &str) -> std::path::PathBuf {
     let img = outer.path().join(format!("{kind}-backend.img"));
     fencecsi_driver::fsops::create_sparse(&img, 48 << 30).unwrap();
-    let lo = loopdev::attach(&img, &AttachOptions { read_only: false, direct_io: false, tag: format!("bench-backend-{kind}") }).unwrap();
+    let lo = loopdev::attach(
+        &img,
+        &AttachOptions {
+            read_only: false,
+            direct_io: false,
+            tag: format!("bench-backend-{kind}"),
+        },
+    )
+    .unwrap();
     fencecsi_driver::fsutil::mkfs(&lo.device, kind).unwrap();
     let mnt = outer.path().join(format!("{kind}-backend"));
     std::fs::create_dir_all(&mnt).unwrap();
@@ -29,11 +37,17 @@ fn backend(outer: &Env, kind: &str) -> std::path::PathBuf {
 
 /// Writes `bytes` of data from the start of the published block device.
 fn fill(p: &Placement, bytes: u64) {
-    let f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(&p.target).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&p.target)
+        .unwrap();
     let layout = std::alloc::Layout::from_size_align(1 << 20, 4096).unwrap();
     // SAFETY: non-zero layout, buffer used only here and leaked (benchmark).
     let buf = unsafe { std::slice::from_raw_parts_mut(std::alloc::alloc(layout), 1 << 20) };
-    buf.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 253) as u8 | 1);
+    buf.iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = (i % 253) as u8 | 1);
     let mut off = 0;
     while off < bytes {
         f.write_all_at(buf, off).unwrap();
@@ -54,17 +68,32 @@ async fn measure(backend_dir: &Path, backend: &'static str, size_gib: u64, cycle
     let env = Env::new_in(backend_dir);
     let rig = Rig::start(&env, &["node-a", "node-b"]).await;
     let cap = block_cap(Access::SingleNodeWriter);
-    let vol = rig.create(&format!("fence-bench-{size_gib}"), (size_gib << 30) as i64, &cap).await;
+    let vol = rig
+        .create(
+            &format!("fence-bench-{size_gib}"),
+            (size_gib << 30) as i64,
+            &cap,
+        )
+        .await;
     let t = Instant::now();
-    let mut holder = rig.attach(&env, &vol.volume_id, "node-a", "pod-0", &cap).await.unwrap();
+    let mut holder = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod-0", &cap)
+        .await
+        .unwrap();
     let first_attach = t.elapsed();
     fill(&holder, (size_gib << 30) / 10);
     let (mut fence, mut attach_after) = (Vec::new(), Vec::new());
     for i in 0..cycles {
         let t = Instant::now();
-        rig.unpublish(&vol.volume_id, &holder.node, true).await.expect("fence");
+        rig.unpublish(&vol.volume_id, &holder.node, true)
+            .await
+            .expect("fence");
         fence.push(t.elapsed());
-        let next = if holder.node == "node-a" { "node-b" } else { "node-a" };
+        let next = if holder.node == "node-a" {
+            "node-b"
+        } else {
+            "node-a"
+        };
         let t = Instant::now();
         rig.controller
             .clone()
@@ -80,14 +109,25 @@ async fn measure(backend_dir: &Path, backend: &'static str, size_gib: u64, cycle
         attach_after.push(t.elapsed());
         // The fenced node returns and cleans up; the new holder stages.
         rig.node_teardown(&holder, true).await.unwrap();
-        holder = rig.attach(&env, &vol.volume_id, next, &format!("pod-{}", i + 1), &cap).await.unwrap();
+        holder = rig
+            .attach(&env, &vol.volume_id, next, &format!("pod-{}", i + 1), &cap)
+            .await
+            .unwrap();
     }
     rig.node_teardown(&holder, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, &holder.node, false).await.unwrap();
+    rig.unpublish(&vol.volume_id, &holder.node, false)
+        .await
+        .unwrap();
     rig.delete(&vol.volume_id).await.unwrap();
     rig.stop().await;
     env.assert_clean();
-    Row { backend, size_gib, fence, attach_after, first_attach }
+    Row {
+        backend,
+        size_gib,
+        fence,
+        attach_after,
+        first_attach,
+    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -96,7 +136,10 @@ async fn main() {
         eprintln!("SKIPPED: the fence benchmark needs root and loop devices");
         return;
     }
-    let cycles: usize = std::env::var("FENCECSI_BENCH_CYCLES").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let cycles: usize = std::env::var("FENCECSI_BENCH_CYCLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
     let outer = Env::new();
     let ext4 = backend(&outer, "ext4");
     let xfs = backend(&outer, "xfs");
@@ -105,7 +148,9 @@ async fn main() {
         rows.push(measure(&ext4, "ext4 (sparse copy)", size, cycles).await);
         rows.push(measure(&xfs, "xfs (reflink)", size, cycles).await);
     }
-    println!("## Fence and attach-after-fence ({cycles} cycles each; a tenth of each volume written)\n");
+    println!(
+        "## Fence and attach-after-fence ({cycles} cycles each; a tenth of each volume written)\n"
+    );
     println!("| backend | volume | fence p50 ms | fence max ms | attach-after-fence p50 ms | max ms | first attach ms |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
     for r in &rows {

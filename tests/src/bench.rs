@@ -20,7 +20,14 @@ pub fn pct_ms(samples: &[Duration], p: f64) -> f64 {
 pub fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmHWM:").map(|v| v.trim().trim_end_matches(" kB").trim().parse::<f64>().ok())).flatten())
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| {
+                    l.strip_prefix("VmHWM:")
+                        .map(|v| v.trim().trim_end_matches(" kB").trim().parse::<f64>().ok())
+                })
+                .flatten()
+        })
         .map(|kb| kb / 1024.0)
         .unwrap_or(f64::NAN)
 }
@@ -38,7 +45,13 @@ fn aligned(len: usize) -> &'static mut [u8] {
 /// Sequential O_DIRECT writes of `total` bytes in 1 MiB blocks, then
 /// fdatasync. Returns MiB/s.
 pub fn seq_write(path: &Path, total: u64) -> f64 {
-    let f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(path).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap();
     let buf = aligned(1 << 20);
     let t = Instant::now();
     let mut off = 0;
@@ -56,7 +69,13 @@ pub fn seq_write(path: &Path, total: u64) -> f64 {
 /// with `count` writes in all, then fdatasync. Returns IOPS.
 pub fn rand_write(path: &Path, span: u64, count: u64, threads: u64, seed: u64) -> f64 {
     seq_write(path, span);
-    let f = std::sync::Arc::new(std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(path).unwrap());
+    let f = std::sync::Arc::new(
+        std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .unwrap(),
+    );
     let blocks = span / 4096;
     let t = Instant::now();
     let workers: Vec<_> = (0..threads)

@@ -71,7 +71,10 @@ impl Env {
 
     /// An env below `base` (e.g. a backend filesystem mounted by an outer env).
     pub fn new_in(base: &Path) -> Self {
-        let dir = tempfile::Builder::new().prefix("fencecsi-test-").tempdir_in(base).expect("creating the test dir");
+        let dir = tempfile::Builder::new()
+            .prefix("fencecsi-test-")
+            .tempdir_in(base)
+            .expect("creating the test dir");
         Env { dir }
     }
 
@@ -465,5 +468,8 @@ pub fn sparse_hash(path: &Path) -> String {
 
 /// Path of a generation's image in an env's state dir.
 pub fn generation_path(env: &Env, volume_id: &str, gen: u64) -> PathBuf {
-    env.state_dir().join("volumes").join(volume_id).join(format!("gen-{gen:06}.img"))
+    env.state_dir()
+        .join("volumes")
+        .join(volume_id)
+        .join(format!("gen-{gen:06}.img"))
 }

@@ -37,7 +37,8 @@ pub fn missing(data: &[u8], last: u64) -> Vec<u64> {
     (0..=last)
         .filter(|&s| {
             let off = s as usize * RECORD_SIZE;
-            data.get(off..off + RECORD_SIZE).is_none_or(|b| !check(b, s))
+            data.get(off..off + RECORD_SIZE)
+                .is_none_or(|b| !check(b, s))
         })
         .collect()
 }

@@ -52,7 +52,9 @@ pub struct Placement {
 impl Placement {
     /// The generation this placement was published on.
     pub fn generation(&self) -> u64 {
-        self.publish_context[fencecsi_driver::controller::CTX_GENERATION].parse().unwrap()
+        self.publish_context[fencecsi_driver::controller::CTX_GENERATION]
+            .parse()
+            .unwrap()
     }
 }
 
@@ -64,7 +66,11 @@ impl Rig {
     }
 
     /// As [`Rig::start`], with each plugin's configuration adjusted first.
-    pub async fn start_with(env: &Env, nodes: &[&str], tweak: impl Fn(&mut fencecsi_driver::config::Config)) -> Rig {
+    pub async fn start_with(
+        env: &Env,
+        nodes: &[&str],
+        tweak: impl Fn(&mut fencecsi_driver::config::Config),
+    ) -> Rig {
         let mut plugins = Vec::new();
         let mut cfg = env.config(Mode::Controller, None, "controller");
         tweak(&mut cfg);
@@ -78,7 +84,11 @@ impl Rig {
             plugins.push(p);
             clients.insert(n.to_string(), c);
         }
-        Rig { controller, nodes: clients, plugins }
+        Rig {
+            controller,
+            nodes: clients,
+            plugins,
+        }
     }
 
     /// Stops the controller plugin and starts a new one on the same state
@@ -86,7 +96,8 @@ impl Rig {
     pub async fn restart_controller(&mut self, env: &Env) {
         let old = self.plugins.remove(0);
         old.stop().await;
-        let (p, controller) = InProcess::start(env.config(Mode::Controller, None, "controller")).await;
+        let (p, controller) =
+            InProcess::start(env.config(Mode::Controller, None, "controller")).await;
         self.plugins.insert(0, p);
         self.controller = controller;
     }
@@ -101,7 +112,10 @@ impl Rig {
             .controller
             .create_volume(csi::CreateVolumeRequest {
                 name: name.into(),
-                capacity_range: Some(csi::CapacityRange { required_bytes: size, limit_bytes: 0 }),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: size,
+                    limit_bytes: 0,
+                }),
                 volume_capabilities: vec![cap.clone()],
                 ..Default::default()
             })
@@ -113,7 +127,14 @@ impl Rig {
     }
 
     /// ControllerPublish, NodeStage, NodePublish on `node`.
-    pub async fn attach(&self, env: &Env, volume_id: &str, node: &str, pod: &str, cap: &csi::VolumeCapability) -> Result<Placement, Status> {
+    pub async fn attach(
+        &self,
+        env: &Env,
+        volume_id: &str,
+        node: &str,
+        pod: &str,
+        cap: &csi::VolumeCapability,
+    ) -> Result<Placement, Status> {
         let ctx = retry_aborted(|| {
             let mut c = self.controller.clone();
             let req = csi::ControllerPublishVolumeRequest {
@@ -150,17 +171,32 @@ impl Rig {
                 ..Default::default()
             })
             .await?;
-        Ok(Placement { node: node.into(), volume_id: volume_id.into(), staging, target, cap: cap.clone(), publish_context: ctx })
+        Ok(Placement {
+            node: node.into(),
+            volume_id: volume_id.into(),
+            staging,
+            target,
+            cap: cap.clone(),
+            publish_context: ctx,
+        })
     }
 
     /// NodeUnpublish and NodeUnstage (with or without force).
     pub async fn node_teardown(&self, p: &Placement, force: bool) -> Result<(), Status> {
         let mut n = self.node(&p.node);
         n.node
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: p.volume_id.clone(), target_path: p.target.to_string_lossy().into(), force })
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: p.volume_id.clone(),
+                target_path: p.target.to_string_lossy().into(),
+                force,
+            })
             .await?;
         n.node
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: p.volume_id.clone(), staging_target_path: p.staging.to_string_lossy().into(), force })
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: p.volume_id.clone(),
+                staging_target_path: p.staging.to_string_lossy().into(),
+                force,
+            })
             .await?;
         Ok(())
     }
@@ -168,7 +204,12 @@ impl Rig {
     pub async fn unpublish(&self, volume_id: &str, node: &str, fence: bool) -> Result<(), Status> {
         retry_aborted(|| {
             let mut c = self.controller.clone();
-            let req = csi::ControllerUnpublishVolumeRequest { volume_id: volume_id.into(), node_id: node.into(), fence, ..Default::default() };
+            let req = csi::ControllerUnpublishVolumeRequest {
+                volume_id: volume_id.into(),
+                node_id: node.into(),
+                fence,
+                ..Default::default()
+            };
             async move { c.controller.controller_unpublish_volume(req).await }
         })
         .await
@@ -178,11 +219,14 @@ impl Rig {
     pub async fn delete(&self, volume_id: &str) -> Result<(), Status> {
         retry_aborted(|| {
             let mut c = self.controller.clone();
-            let req = csi::DeleteVolumeRequest { volume_id: volume_id.into(), ..Default::default() };
+            let req = csi::DeleteVolumeRequest {
+                volume_id: volume_id.into(),
+                ..Default::default()
+            };
             async move { c.controller.delete_volume(req).await }
         })
-            .await
-            .map(|_| ())
+        .await
+        .map(|_| ())
     }
 
     pub async fn stop(self) {
@@ -200,9 +244,15 @@ impl Rng {
         Rng(seed | 1)
     }
     pub fn from_env(var: &str) -> (Self, u64) {
-        let seed = std::env::var(var).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-        });
+        let seed = std::env::var(var)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
         (Rng::new(seed), seed)
     }
     pub fn next(&mut self) -> u64 {

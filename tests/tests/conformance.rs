@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use fencecsi_driver::config::{Mode, DEFAULT_DRIVER_NAME};
 use fencecsi_driver::controller::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY, TOPOLOGY_KEY};
 use fencecsi_driver::mounts;
-use fencecsi_proto::client::CsiClient;
 use fencecsi_proto::client::with_extensions;
+use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::controller_service_capability::rpc::Type as CtlRpc;
 use fencecsi_tests::csi::node_service_capability::rpc::Type as NodeRpc;
 use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
@@ -381,7 +381,10 @@ async fn controller_and_node_capabilities_and_node_info() {
             _ => None,
         })
         .collect();
-    assert!(plain.iter().all(|t| *t < 1000), "standard caller saw an extension: {plain:?}");
+    assert!(
+        plain.iter().all(|t| *t < 1000),
+        "standard caller saw an extension: {plain:?}"
+    );
     let plain_node: Vec<i32> = c
         .node
         .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
@@ -395,7 +398,10 @@ async fn controller_and_node_capabilities_and_node_info() {
             _ => None,
         })
         .collect();
-    assert!(plain_node.iter().all(|t| *t < 1000), "standard caller saw an extension: {plain_node:?}");
+    assert!(
+        plain_node.iter().all(|t| *t < 1000),
+        "standard caller saw an extension: {plain_node:?}"
+    );
 
     let ctl: BTreeSet<i32> = c
         .controller
@@ -1246,12 +1252,13 @@ async fn controller_publish_unpublish() {
     // A volume that does not exist is published nowhere: OK, as the spec recommends.
     for missing in ["vol-00000000000000000000000000000000", "some-foreign-id"] {
         assert_code!(
-            c.controller.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-                volume_id: missing.into(),
-                node_id: "node-a".into(),
-                fence: true,
-                ..Default::default()
-            }),
+            c.controller
+                .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                    volume_id: missing.into(),
+                    node_id: "node-a".into(),
+                    fence: true,
+                    ..Default::default()
+                }),
             Code::Ok
         );
     }

@@ -14,7 +14,9 @@ async fn volume_status(rig: &Rig, vol: &str) -> csi::controller_get_volume_respo
     rig.controller
         .clone()
         .controller
-        .controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: vol.into() })
+        .controller_get_volume(csi::ControllerGetVolumeRequest {
+            volume_id: vol.into(),
+        })
         .await
         .unwrap()
         .into_inner()
@@ -42,13 +44,17 @@ async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
         .spawn()
         .expect("setpriv (util-linux) runs the driver");
     let mut ctl = wait_for_socket(&cfg.socket_path().unwrap()).await;
-    let (node_plugin, mut node) = fencecsi_tests::InProcess::start(env.config(Mode::Node, Some("node-a"), "node-a")).await;
+    let (node_plugin, mut node) =
+        fencecsi_tests::InProcess::start(env.config(Mode::Node, Some("node-a"), "node-a")).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let vol = ctl
         .controller
         .create_volume(csi::CreateVolumeRequest {
             name: "weak".into(),
-            capacity_range: Some(csi::CapacityRange { required_bytes: 64 << 20, limit_bytes: 0 }),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 64 << 20,
+                limit_bytes: 0,
+            }),
             volume_capabilities: vec![cap.clone()],
             ..Default::default()
         })
@@ -59,7 +65,12 @@ async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
         .unwrap();
     let ctx = ctl
         .controller
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), volume_capability: Some(cap.clone()), ..Default::default() })
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()
@@ -78,27 +89,64 @@ async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
 
     let err = ctl
         .controller
-        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), fence: true, ..Default::default() })
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            fence: true,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert!(err.message().contains("immutable"), "the message says why: {}", err.message());
+    assert!(
+        err.message().contains("immutable"),
+        "the message says why: {}",
+        err.message()
+    );
     // Nothing changed: still published, generation not frozen, writes still land.
-    let status = ctl.controller.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: vol.volume_id.clone() }).await.unwrap().into_inner().status.unwrap();
+    let status = ctl
+        .controller
+        .controller_get_volume(csi::ControllerGetVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
     assert_eq!(status.published_node_ids, vec!["node-a".to_string()]);
-    assert!(!fencecsi_driver::fsops::is_immutable(&generation_path(&env, &vol.volume_id, 1)).unwrap());
+    assert!(
+        !fencecsi_driver::fsops::is_immutable(&generation_path(&env, &vol.volume_id, 1)).unwrap()
+    );
     std::fs::write(staging.join("still-writable"), b"yes").unwrap();
-    std::fs::File::open(staging.join("still-writable")).unwrap().sync_all().expect("the attachment is intact");
+    std::fs::File::open(staging.join("still-writable"))
+        .unwrap()
+        .sync_all()
+        .expect("the attachment is intact");
 
     node.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: vol.volume_id.clone(), staging_target_path: staging.to_string_lossy().into(), force: false })
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: staging.to_string_lossy().into(),
+            force: false,
+        })
         .await
         .unwrap();
     ctl.controller
-        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest { volume_id: vol.volume_id.clone(), node_id: "node-a".into(), ..Default::default() })
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            ..Default::default()
+        })
         .await
         .unwrap();
-    ctl.controller.delete_volume(csi::DeleteVolumeRequest { volume_id: vol.volume_id.clone(), ..Default::default() }).await.unwrap();
+    ctl.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let _ = child.kill();
     let _ = child.wait();
     node_plugin.stop().await;
@@ -113,34 +161,69 @@ async fn fence_state_survives_restart_and_released_generations_are_collected() {
     let mut rig = Rig::start(&env, &["node-a", "node-b"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let vol = rig.create("restart", 64 << 20, &cap).await;
-    let a = rig.attach(&env, &vol.volume_id, "node-a", "pod-a", &cap).await.unwrap();
+    let a = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
+        .await
+        .unwrap();
     rig.unpublish(&vol.volume_id, "node-a", true).await.unwrap();
     let fenced = generation_path(&env, &vol.volume_id, a.generation());
 
     rig.restart_controller(&env).await;
     let status = volume_status(&rig, &vol.volume_id).await;
     let cond = status.volume_condition.unwrap();
-    assert!(cond.abnormal && cond.message.contains("fenced generation"), "usage detection after restart: {cond:?}");
-    assert!(cond.message.contains("/dev/loop"), "names the holder: {cond:?}");
-    let refused = rig.attach(&env, &vol.volume_id, "node-a", "pod-a2", &cap).await.unwrap_err();
-    assert_eq!(refused.code(), Code::FailedPrecondition, "quarantine survives a restart: {refused:?}");
+    assert!(
+        cond.abnormal && cond.message.contains("fenced generation"),
+        "usage detection after restart: {cond:?}"
+    );
+    assert!(
+        cond.message.contains("/dev/loop"),
+        "names the holder: {cond:?}"
+    );
+    let refused = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod-a2", &cap)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Code::FailedPrecondition,
+        "quarantine survives a restart: {refused:?}"
+    );
 
-    let b = rig.attach(&env, &vol.volume_id, "node-b", "pod-b", &cap).await.unwrap();
-    assert!(fenced.exists() && fencecsi_driver::fsops::is_immutable(&fenced).unwrap(), "kept frozen while node A holds it");
+    let b = rig
+        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
+        .await
+        .unwrap();
+    assert!(
+        fenced.exists() && fencecsi_driver::fsops::is_immutable(&fenced).unwrap(),
+        "kept frozen while node A holds it"
+    );
     rig.node_teardown(&a, true).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while fenced.exists() {
-        assert!(Instant::now() < deadline, "released fenced generation was not collected");
+        assert!(
+            Instant::now() < deadline,
+            "released fenced generation was not collected"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let cond = volume_status(&rig, &vol.volume_id).await.volume_condition.unwrap();
+    let cond = volume_status(&rig, &vol.volume_id)
+        .await
+        .volume_condition
+        .unwrap();
     assert!(!cond.abnormal, "{cond:?}");
 
     rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false).await.unwrap();
-    let back = rig.attach(&env, &vol.volume_id, "node-a", "pod-a3", &cap).await.expect("node A may have the volume again");
+    rig.unpublish(&vol.volume_id, "node-b", false)
+        .await
+        .unwrap();
+    let back = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod-a3", &cap)
+        .await
+        .expect("node A may have the volume again");
     rig.node_teardown(&back, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .unwrap();
     rig.delete(&vol.volume_id).await.unwrap();
     rig.stop().await;
     env.assert_clean();

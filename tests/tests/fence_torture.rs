@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use fencecsi_tests::records::{missing, RECORD_SIZE};
 use fencecsi_tests::rig::{Rig, Rng};
-use fencecsi_tests::{block_cap, generation_path, mount_cap, require_root, sparse_hash, Access, Env};
+use fencecsi_tests::{
+    block_cap, generation_path, mount_cap, require_root, sparse_hash, Access, Env,
+};
 
 /// Acknowledged records and errors, as the writer reports them.
 #[derive(Default)]
@@ -35,7 +37,10 @@ struct Writer {
 impl Writer {
     fn start(path: &std::path::Path, direct: bool) -> Writer {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencecsi-writer"));
-        cmd.arg(path).args(["--max-errors", "1000"]).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.arg(path)
+            .args(["--max-errors", "1000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         if direct {
             cmd.arg("--direct");
         }
@@ -46,7 +51,10 @@ impl Writer {
         let reader = std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 let mut parts = line.split_whitespace();
-                match (parts.next(), parts.next().and_then(|s| s.parse::<u64>().ok())) {
+                match (
+                    parts.next(),
+                    parts.next().and_then(|s| s.parse::<u64>().ok()),
+                ) {
                     (Some("ok"), Some(seq)) => l.acked.store(seq + 1, Ordering::SeqCst),
                     (Some("err"), Some(seq)) => {
                         let errno = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
@@ -56,7 +64,11 @@ impl Writer {
                 }
             }
         });
-        Writer { child, log, reader: Some(reader) }
+        Writer {
+            child,
+            log,
+            reader: Some(reader),
+        }
     }
 
     fn acked(&self) -> u64 {
@@ -92,7 +104,10 @@ async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> boo
 async fn torture(mode: &str) {
     require_root!();
     fencecsi_tests::init_tracing();
-    let runs: u64 = std::env::var("FENCECSI_TORTURE_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+    let runs: u64 = std::env::var("FENCECSI_TORTURE_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
     let (mut rng, seed) = Rng::from_env("FENCECSI_TORTURE_SEED");
     eprintln!("fence torture {mode}: {runs} runs, seed {seed}");
     let env = Env::new();
@@ -112,46 +127,103 @@ async fn torture(mode: &str) {
             loop_dio = true;
             rig = Rig::start_with(&env, &["node-a", "node-b"], |c| c.direct_io = true).await;
         }
-        let vol = rig.create(&format!("torture-{mode}-{run}"), size, &cap).await;
-        let a = rig.attach(&env, &vol.volume_id, "node-a", &format!("pod-a-{run}"), &cap).await.expect("attach on node A");
-        let path = if mode == "block" { a.target.clone() } else { a.target.join("records.log") };
+        let vol = rig
+            .create(&format!("torture-{mode}-{run}"), size, &cap)
+            .await;
+        let a = rig
+            .attach(
+                &env,
+                &vol.volume_id,
+                "node-a",
+                &format!("pod-a-{run}"),
+                &cap,
+            )
+            .await
+            .expect("attach on node A");
+        let path = if mode == "block" {
+            a.target.clone()
+        } else {
+            a.target.join("records.log")
+        };
         let direct = rng.next() % 2 == 0;
         let writer = Writer::start(&path, direct);
         let warmup = rng.range(3, 40);
-        wait_until("the writer's first records", Duration::from_secs(20), || writer.acked() >= warmup).await;
+        wait_until(
+            "the writer's first records",
+            Duration::from_secs(20),
+            || writer.acked() >= warmup,
+        )
+        .await;
         tokio::time::sleep(Duration::from_millis(rng.range(0, 150))).await;
 
         let t = Instant::now();
-        rig.unpublish(&vol.volume_id, "node-a", true).await.expect("fence must succeed on this backend");
+        rig.unpublish(&vol.volume_id, "node-a", true)
+            .await
+            .expect("fence must succeed on this backend");
         fence_ms.push(t.elapsed().as_secs_f64() * 1e3);
         let fenced = generation_path(&env, &vol.volume_id, a.generation());
         let at_fence = sparse_hash(&fenced);
-        assert!(fencecsi_driver::fsops::is_immutable(&fenced).unwrap(), "run {run}: fenced generation must carry the immutable flag");
+        assert!(
+            fencecsi_driver::fsops::is_immutable(&fenced).unwrap(),
+            "run {run}: fenced generation must carry the immutable flag"
+        );
 
         // The writer keeps going on node A; it must start failing, and the
         // fenced bytes must not move.
         let fence_returned = Instant::now();
-        wait_until("the writer to see an error after the fence", Duration::from_secs(20), || {
-            writer.log.errors.lock().unwrap().iter().any(|(_, _, at)| *at >= fence_returned) || writer.child.id() == 0
-        })
+        wait_until(
+            "the writer to see an error after the fence",
+            Duration::from_secs(20),
+            || {
+                writer
+                    .log
+                    .errors
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|(_, _, at)| *at >= fence_returned)
+                    || writer.child.id() == 0
+            },
+        )
         .await;
         tokio::time::sleep(Duration::from_millis(rng.range(100, 400))).await;
         let (acked, errors) = writer.stop();
         assert_eq!(sparse_hash(&fenced), at_fence, "run {run} ({mode}, direct={direct}, loop dio={loop_dio}, seed {seed}): fenced generation changed after the fence returned");
-        assert!(!errors.is_empty(), "run {run}: the writer saw no error after the fence");
+        assert!(
+            !errors.is_empty(),
+            "run {run}: the writer saw no error after the fence"
+        );
 
         if run == 0 {
             // Quarantine: node A still holds the fenced generation, so it cannot have the volume back yet.
-            let again = rig.attach(&env, &vol.volume_id, "node-a", "pod-a-again", &cap).await.unwrap_err();
+            let again = rig
+                .attach(&env, &vol.volume_id, "node-a", "pod-a-again", &cap)
+                .await
+                .unwrap_err();
             assert_eq!(again.code(), tonic::Code::FailedPrecondition, "{again:?}");
         }
 
-        let b = rig.attach(&env, &vol.volume_id, "node-b", &format!("pod-b-{run}"), &cap).await.expect("the volume must attach and mount on node B");
-        assert!(b.generation() > a.generation(), "node B must get a new generation");
+        let b = rig
+            .attach(
+                &env,
+                &vol.volume_id,
+                "node-b",
+                &format!("pod-b-{run}"),
+                &cap,
+            )
+            .await
+            .expect("the volume must attach and mount on node B");
+        assert!(
+            b.generation() > a.generation(),
+            "node B must get a new generation"
+        );
         let data = if mode == "block" {
             let mut buf = vec![0u8; acked as usize * RECORD_SIZE];
             use std::os::unix::fs::FileExt;
-            std::fs::File::open(&b.target).unwrap().read_exact_at(&mut buf, 0).unwrap();
+            std::fs::File::open(&b.target)
+                .unwrap()
+                .read_exact_at(&mut buf, 0)
+                .unwrap();
             buf
         } else {
             std::fs::read(b.target.join("records.log")).unwrap_or_default()
@@ -162,15 +234,27 @@ async fn torture(mode: &str) {
         }
 
         // Node A returns: force teardown of the fenced attachment; node B detaches normally.
-        rig.node_teardown(&a, true).await.expect("force teardown on node A");
-        rig.node_teardown(&b, false).await.expect("teardown on node B");
-        rig.unpublish(&vol.volume_id, "node-b", false).await.unwrap();
-        rig.delete(&vol.volume_id).await.expect("delete after cleanup");
+        rig.node_teardown(&a, true)
+            .await
+            .expect("force teardown on node A");
+        rig.node_teardown(&b, false)
+            .await
+            .expect("teardown on node B");
+        rig.unpublish(&vol.volume_id, "node-b", false)
+            .await
+            .unwrap();
+        rig.delete(&vol.volume_id)
+            .await
+            .expect("delete after cleanup");
         env.assert_clean();
         eprintln!("  run {run:>2}: {acked:>5} records acknowledged, {:>4} errors after fence, fence {:.1} ms, writer O_DIRECT={direct}, loop dio={loop_dio}", errors.len(), fence_ms.last().unwrap());
     }
     fence_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    eprintln!("fence torture {mode}: {runs} runs ok; fence latency p50 {:.1} ms, max {:.1} ms", fence_ms[fence_ms.len() / 2], fence_ms.last().unwrap());
+    eprintln!(
+        "fence torture {mode}: {runs} runs ok; fence latency p50 {:.1} ms, max {:.1} ms",
+        fence_ms[fence_ms.len() / 2],
+        fence_ms.last().unwrap()
+    );
     rig.stop().await;
     env.assert_clean();
 }

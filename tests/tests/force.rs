@@ -18,8 +18,19 @@ struct Holders(Vec<Child>);
 impl Holders {
     fn on(dir: &std::path::Path) -> Holders {
         std::fs::write(dir.join("held.txt"), b"held").unwrap();
-        let open_file = Command::new("sh").arg("-c").arg(format!("exec 3<'{}/held.txt'; exec sleep 600", dir.display())).spawn().unwrap();
-        let cwd = Command::new("sleep").arg("600").current_dir(dir).spawn().unwrap();
+        let open_file = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "exec 3<'{}/held.txt'; exec sleep 600",
+                dir.display()
+            ))
+            .spawn()
+            .unwrap();
+        let cwd = Command::new("sleep")
+            .arg("600")
+            .current_dir(dir)
+            .spawn()
+            .unwrap();
         std::thread::sleep(Duration::from_millis(100));
         Holders(vec![open_file, cwd])
     }
@@ -37,7 +48,11 @@ impl Drop for Holders {
 async fn unpublish(rig: &Rig, p: &Placement, force: bool) -> Result<(), tonic::Status> {
     rig.node(&p.node)
         .node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest { volume_id: p.volume_id.clone(), target_path: p.target.to_string_lossy().into(), force })
+        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: p.volume_id.clone(),
+            target_path: p.target.to_string_lossy().into(),
+            force,
+        })
         .await
         .map(|_| ())
 }
@@ -45,7 +60,11 @@ async fn unpublish(rig: &Rig, p: &Placement, force: bool) -> Result<(), tonic::S
 async fn unstage(rig: &Rig, p: &Placement, force: bool) -> Result<(), tonic::Status> {
     rig.node(&p.node)
         .node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest { volume_id: p.volume_id.clone(), staging_target_path: p.staging.to_string_lossy().into(), force })
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: p.volume_id.clone(),
+            staging_target_path: p.staging.to_string_lossy().into(),
+            force,
+        })
         .await
         .map(|_| ())
 }
@@ -69,7 +88,10 @@ async fn busy_volume_needs_force_and_force_tears_it_down() {
     let rig = Rig::start(&env, &["node-a"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let vol = rig.create("busy", 64 << 20, &cap).await;
-    let p = rig.attach(&env, &vol.volume_id, "node-a", "pod", &cap).await.unwrap();
+    let p = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod", &cap)
+        .await
+        .unwrap();
     let holders = Holders::on(&p.target);
 
     // Without force: refused, and nothing changed.
@@ -84,18 +106,31 @@ async fn busy_volume_needs_force_and_force_tears_it_down() {
     // With force: torn down while the holders still run.
     unpublish(&rig, &p, true).await.unwrap();
     unstage(&rig, &p, true).await.unwrap();
-    assert!(!mounts::is_mountpoint(&p.target).unwrap() && !mounts::is_mountpoint(&p.staging).unwrap());
-    unpublish(&rig, &p, true).await.expect("repeated force unpublish succeeds");
-    unstage(&rig, &p, true).await.expect("repeated force unstage succeeds");
+    assert!(
+        !mounts::is_mountpoint(&p.target).unwrap() && !mounts::is_mountpoint(&p.staging).unwrap()
+    );
+    unpublish(&rig, &p, true)
+        .await
+        .expect("repeated force unpublish succeeds");
+    unstage(&rig, &p, true)
+        .await
+        .expect("repeated force unstage succeeds");
     drop(holders);
     assert_clean_soon(&env, &p).await;
 
     // The data written before is intact for the next user.
-    rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
-    let p2 = rig.attach(&env, &vol.volume_id, "node-a", "pod2", &cap).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .unwrap();
+    let p2 = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod2", &cap)
+        .await
+        .unwrap();
     assert_eq!(std::fs::read(p2.target.join("held.txt")).unwrap(), b"held");
     rig.node_teardown(&p2, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .unwrap();
     rig.delete(&vol.volume_id).await.unwrap();
     rig.stop().await;
     env.assert_clean();
@@ -108,15 +143,24 @@ async fn fenced_teardown(fs: &str, expect_stale: bool) {
     let cap = mount_cap(Access::SingleNodeWriter, fs);
     let size = if fs == "xfs" { 300 << 20 } else { 64 << 20 };
     let vol = rig.create(&format!("fenced-{fs}"), size, &cap).await;
-    let p = rig.attach(&env, &vol.volume_id, "node-a", "pod", &cap).await.unwrap();
+    let p = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod", &cap)
+        .await
+        .unwrap();
     // Only what was synced before the fence is promised to survive it.
     std::fs::write(p.target.join("before.txt"), b"before the fence").unwrap();
-    std::fs::File::open(p.target.join("before.txt")).unwrap().sync_all().unwrap();
+    std::fs::File::open(p.target.join("before.txt"))
+        .unwrap()
+        .sync_all()
+        .unwrap();
     std::fs::File::open(&p.target).unwrap().sync_all().unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", true).await.expect("fence");
+    rig.unpublish(&vol.volume_id, "node-a", true)
+        .await
+        .expect("fence");
 
     // Writes through the fenced attachment fail, and the filesystem gives up.
-    let write = std::fs::write(p.target.join("after.txt"), vec![7u8; 1 << 20]).and_then(|_| std::fs::File::open(p.target.join("after.txt"))?.sync_all());
+    let write = std::fs::write(p.target.join("after.txt"), vec![7u8; 1 << 20])
+        .and_then(|_| std::fs::File::open(p.target.join("after.txt"))?.sync_all());
     assert!(write.is_err(), "a synced write after the fence must fail");
     if expect_stale {
         // A failed data write alone does not shut xfs down; a metadata change
@@ -128,7 +172,11 @@ async fn fenced_teardown(fs: &str, expect_stale: bool) {
         // A shut-down xfs answers even stat() on its root with EIO.
         let deadline = Instant::now() + Duration::from_secs(5);
         while !matches!(mounts::path_state(&p.target), PathState::Stale(_)) {
-            assert!(Instant::now() < deadline, "xfs mountpoint never went stale: {:?}", mounts::path_state(&p.target));
+            assert!(
+                Instant::now() < deadline,
+                "xfs mountpoint never went stale: {:?}",
+                mounts::path_state(&p.target)
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -139,7 +187,10 @@ async fn fenced_teardown(fs: &str, expect_stale: bool) {
         .node_stage_volume(csi::NodeStageVolumeRequest {
             volume_id: vol.volume_id.clone(),
             publish_context: p.publish_context.clone(),
-            staging_target_path: env.staging_path("node-a", "elsewhere").to_string_lossy().into(),
+            staging_target_path: env
+                .staging_path("node-a", "elsewhere")
+                .to_string_lossy()
+                .into(),
             volume_capability: Some(cap.clone()),
             ..Default::default()
         })
@@ -149,16 +200,28 @@ async fn fenced_teardown(fs: &str, expect_stale: bool) {
 
     unpublish(&rig, &p, true).await.unwrap();
     unstage(&rig, &p, true).await.unwrap();
-    unpublish(&rig, &p, true).await.expect("repeated force unpublish");
-    unstage(&rig, &p, true).await.expect("repeated force unstage");
+    unpublish(&rig, &p, true)
+        .await
+        .expect("repeated force unpublish");
+    unstage(&rig, &p, true)
+        .await
+        .expect("repeated force unstage");
     assert_clean_soon(&env, &p).await;
 
     // Released: the node may have the volume again, on a new generation, with the pre-fence data.
-    let p2 = rig.attach(&env, &vol.volume_id, "node-a", "pod2", &cap).await.expect("publish after the node cleaned up");
+    let p2 = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod2", &cap)
+        .await
+        .expect("publish after the node cleaned up");
     assert!(p2.generation() > p.generation());
-    assert_eq!(std::fs::read(p2.target.join("before.txt")).unwrap(), b"before the fence");
+    assert_eq!(
+        std::fs::read(p2.target.join("before.txt")).unwrap(),
+        b"before the fence"
+    );
     rig.node_teardown(&p2, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .unwrap();
     rig.delete(&vol.volume_id).await.unwrap();
     rig.stop().await;
     env.assert_clean();

@@ -23,6 +23,7 @@ use crate::config::Config;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
 use crate::locks::InFlight;
+use crate::rpc::blocking;
 
 /// Keys of the publish_context the node plugin reads.
 pub const CTX_GENERATION: &str = "loop.fencecsi.io/generation";
@@ -118,28 +119,6 @@ impl Controller {
 /// The tonic-facing wrapper.
 #[derive(Clone)]
 pub struct ControllerService(pub Arc<Controller>);
-
-/// Runs a blocking RPC body on the blocking pool and logs its outcome.
-async fn blocking<T: Send + 'static>(
-    rpc: &'static str,
-    f: impl FnOnce() -> CsiResult<T> + Send + 'static,
-) -> Result<Response<T>, Status> {
-    let start = std::time::Instant::now();
-    let result = tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Status::internal(format!("{rpc} panicked: {e}")))?;
-    let ms = start.elapsed().as_secs_f64() * 1e3;
-    match result {
-        Ok(v) => {
-            tracing::debug!(rpc, ms, "ok");
-            Ok(Response::new(v))
-        }
-        Err(e) => {
-            tracing::warn!(rpc, ms, code = ?e.code(), error = %e, "failed");
-            Err(e.into())
-        }
-    }
-}
 
 #[tonic::async_trait]
 impl CsiController for ControllerService {

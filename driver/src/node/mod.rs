@@ -28,6 +28,7 @@ use crate::ids::{Parsed, VolumeId};
 use crate::locks::InFlight;
 use crate::loopdev::{self, LoopInfo};
 use crate::paths::AllowedRoots;
+use crate::rpc::blocking;
 
 /// Loop devices this driver attaches carry
 /// `fcsi:<volume hex>:<generation hex>:<node>` as their file name, where
@@ -187,27 +188,6 @@ pub(crate) fn remove_target(path: &Path) -> CsiResult<()> {
 #[derive(Clone)]
 pub struct NodeService(pub Arc<Node>);
 
-async fn blocking<T: Send + 'static>(
-    rpc: &'static str,
-    f: impl FnOnce() -> CsiResult<T> + Send + 'static,
-) -> Result<Response<T>, Status> {
-    let start = std::time::Instant::now();
-    let result = tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Status::internal(format!("{rpc} panicked: {e}")))?;
-    let ms = start.elapsed().as_secs_f64() * 1e3;
-    match result {
-        Ok(v) => {
-            tracing::debug!(rpc, ms, "ok");
-            Ok(Response::new(v))
-        }
-        Err(e) => {
-            tracing::warn!(rpc, ms, code = ?e.code(), error = %e, "failed");
-            Err(e.into())
-        }
-    }
-}
-
 #[tonic::async_trait]
 impl CsiNode for NodeService {
     async fn node_stage_volume(
@@ -288,13 +268,27 @@ mod tests {
         let v = VolumeId::generate();
         let tag = loop_tag(&v, 7, "node-a");
         assert_eq!(parse_tag(&tag), Some((v.clone(), 7)));
-        assert_eq!(parse_tag_full(&tag).map(|t| t.2.to_string()), Some(node_tag("node-a")));
+        assert_eq!(
+            parse_tag_full(&tag).map(|t| t.2.to_string()),
+            Some(node_tag("node-a"))
+        );
         assert_ne!(node_tag("node-a"), node_tag("node-b"));
-        assert!(loop_tag(&v, u64::MAX, "n").len() <= crate::loopdev::MAX_TAG_LEN, "must fit lo_file_name");
-        assert_eq!(parse_tag(&loop_tag(&v, u64::MAX, "n")), Some((v.clone(), u64::MAX)));
-        for other in ["/var/lib/kubelet/plugins/x", "fcsi:", "fcsi:x:1:00000000", "fcsi:../../etc:1:00000000", "fencecsi:vol-1:1"] {
+        assert!(
+            loop_tag(&v, u64::MAX, "n").len() <= crate::loopdev::MAX_TAG_LEN,
+            "must fit lo_file_name"
+        );
+        assert_eq!(
+            parse_tag(&loop_tag(&v, u64::MAX, "n")),
+            Some((v.clone(), u64::MAX))
+        );
+        for other in [
+            "/var/lib/kubelet/plugins/x",
+            "fcsi:",
+            "fcsi:x:1:00000000",
+            "fcsi:../../etc:1:00000000",
+            "fencecsi:vol-1:1",
+        ] {
             assert_eq!(parse_tag(other), None, "{other}");
         }
     }
-
 }

@@ -7,11 +7,11 @@ use fencecsi_proto::v1::*;
 
 use super::stage::{block_staging_file, rdev};
 use super::{loop_tag, remove_target, Node};
-use crate::ids::VolumeId;
-use crate::loopdev::{self, AttachOptions};
 use crate::capability;
 use crate::controller::CTX_READONLY;
 use crate::error::{CsiError, CsiResult};
+use crate::ids::VolumeId;
+use crate::loopdev::{self, AttachOptions};
 use crate::mounts::{self, PathState};
 
 impl Node {

@@ -295,8 +295,11 @@ impl Node {
             // Refuse before touching anything: a device still published
             // elsewhere means the CO has not unpublished yet.
             for (lo, _) in &loops {
-                let Ok((major, minor)) = rdev(&lo.device) else { continue };
-                let users = mounts::mounts_of_device(major, minor).map_err(|e| CsiError::internal("reading the mount table", e))?;
+                let Ok((major, minor)) = rdev(&lo.device) else {
+                    continue;
+                };
+                let users = mounts::mounts_of_device(major, minor)
+                    .map_err(|e| CsiError::internal("reading the mount table", e))?;
                 let others: Vec<String> = users
                     .iter()
                     .filter(|m| m.mount_point != staging && m.mount_point != block_file)
@@ -313,7 +316,11 @@ impl Node {
         }
         // Decide from the mount table, never by looking inside: the staging
         // mount may be a fenced filesystem where every lookup fails with EIO.
-        let mounted_at = |p: &Path| mounts::mounts_at(p).map(|m| !m.is_empty()).map_err(|e| CsiError::internal("reading the mount table", e));
+        let mounted_at = |p: &Path| {
+            mounts::mounts_at(p)
+                .map(|m| !m.is_empty())
+                .map_err(|e| CsiError::internal("reading the mount table", e))
+        };
         if mounted_at(staging)? {
             self.unmount_path(staging, force)?;
         } else if mounted_at(&block_file)? {

@@ -18,13 +18,20 @@ fn main() {
         std::process::exit(2);
     };
     let flag = |name: &str| args.iter().position(|a| a == name);
-    let value = |name: &str, default: u64| flag(name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default);
+    let value = |name: &str, default: u64| {
+        flag(name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
     let direct = flag("--direct").is_some();
     let max_errors = value("--max-errors", 20);
     let interval = std::time::Duration::from_millis(value("--interval-ms", 0));
 
     let mut opts = OpenOptions::new();
-    opts.read(true).write(true).create(!path.starts_with("/dev/") && !is_block(path));
+    opts.read(true)
+        .write(true)
+        .create(!path.starts_with("/dev/") && !is_block(path));
     if direct {
         opts.custom_flags(libc::O_DIRECT);
     }
@@ -44,7 +51,9 @@ fn main() {
     let mut seq: u64 = 0;
     loop {
         buf.copy_from_slice(&record(seq));
-        let result = file.write_all_at(buf, seq * RECORD_SIZE as u64).and_then(|_| file.sync_data());
+        let result = file
+            .write_all_at(buf, seq * RECORD_SIZE as u64)
+            .and_then(|_| file.sync_data());
         let mut out = stdout.lock();
         match result {
             Ok(()) => {
@@ -70,5 +79,7 @@ fn main() {
 
 fn is_block(path: &str) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false)
+    std::fs::metadata(path)
+        .map(|m| m.file_type().is_block_device())
+        .unwrap_or(false)
 }

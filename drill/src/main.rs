@@ -1,0 +1,100 @@
+//! `fencecsi-drill`: the local failover drill. See the crate docs and the README.
+
+use std::time::Duration;
+
+use clap::Parser;
+use fencecsi_drill::{Options, Progress};
+
+/// fencecsi's local failover drill: an embedded cluster, the real driver, attacher and
+/// podgc on real loop devices; node A shuts down while its writers keep writing. Needs root.
+#[derive(Debug, Parser)]
+#[command(name = "fencecsi-drill", version, about)]
+struct Cli {
+    /// Number of nodes (at least 2).
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    /// Number of volumes (PVC + StatefulSet pod each) on node A.
+    #[arg(long, default_value_t = 1)]
+    volumes: usize,
+    /// Filesystem of the volumes.
+    #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
+    fs: String,
+    /// Machine-readable result on stdout (progress goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Timeout of each waited-for step, in seconds.
+    #[arg(long, default_value_t = 60)]
+    step_timeout: u64,
+    /// Records every writer must have acknowledged before node A shuts down.
+    #[arg(long, default_value_t = 20)]
+    min_records: u64,
+    /// Node lifecycle grace (node-monitor-grace-period) in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    monitor_grace: f64,
+    /// podgc's shutdown grace in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    podgc_grace: f64,
+    /// Also run a pod whose PV's driver has no safe-detach annotation (it must stay).
+    #[arg(long)]
+    unsafe_pod: bool,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("writer") {
+        std::process::exit(fencecsi_drill::writer::main(&args[2..]));
+    }
+    let cli = Cli::parse();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "error".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let exe = std::env::current_exe().expect("current exe");
+    let mut opts = Options::new(exe);
+    opts.nodes = cli.nodes;
+    opts.volumes = cli.volumes;
+    opts.fs = cli.fs.clone();
+    opts.step_timeout = Duration::from_secs(cli.step_timeout);
+    opts.min_records = cli.min_records;
+    opts.node_monitor_grace = Duration::from_secs_f64(cli.monitor_grace);
+    opts.podgc_shutdown_grace = Duration::from_secs_f64(cli.podgc_grace);
+    opts.unsafe_pod = cli.unsafe_pod;
+    opts.progress = if cli.json {
+        Progress::stderr()
+    } else {
+        Progress::stdout()
+    };
+    let progress = opts.progress.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = rt.block_on(fencecsi_drill::run(opts, async {
+        fencecsi_driver::server::shutdown_signal().await;
+        eprintln!("signal received: stopping the drill and cleaning up");
+    }));
+    rt.shutdown_timeout(Duration::from_secs(2));
+    match result {
+        Ok(report) => {
+            if cli.json {
+                progress.raw("");
+                report.print(&progress);
+                println!("{}", serde_json::to_string_pretty(&report).unwrap());
+            } else {
+                report.print(&progress);
+            }
+            std::process::exit(if report.ok { 0 } else { 1 });
+        }
+        Err(e) => {
+            eprintln!("fencecsi-drill: {e:#}");
+            std::process::exit(if format!("{e}") == "interrupted" {
+                130
+            } else {
+                2
+            });
+        }
+    }
+}

@@ -1,0 +1,432 @@
+//! What a real cluster has and the embedded one does not, reduced to what the drill needs:
+//! a provisioner (external-provisioner), an attach-detach controller (kube-controller-
+//! manager's) and a StatefulSet controller. Each is a small polling loop over the cluster
+//! seam.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
+use fencecsi_cluster::k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, Container, ObjectReference, PersistentVolume, PersistentVolumeClaim,
+    PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod, PodSpec, Toleration, Volume,
+};
+use fencecsi_cluster::k8s_openapi::api::storage::v1::{
+    VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec,
+};
+use fencecsi_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use fencecsi_cluster::sim::{ready_condition, NOT_READY_TAINT_KEY, UNREACHABLE_TAINT_KEY};
+use fencecsi_cluster::well_known::volume_attachment_name;
+use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
+use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::rig::retry_aborted;
+use fencecsi_tests::{csi, mount_cap, Access};
+
+use crate::Progress;
+
+/// A background loop, aborted on drop.
+pub struct Task(pub tokio::task::JoinHandle<()>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn every<F, Fut>(interval: Duration, mut f: F) -> Task
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    Task(tokio::spawn(async move {
+        loop {
+            if let Err(e) = f().await {
+                tracing::debug!(error = %format!("{e:#}"), "stand-in tick");
+            }
+            tokio::time::sleep(interval).await;
+        }
+    }))
+}
+
+/// The drill's StorageClass (the embedded cluster has no StorageClass kind, so the
+/// provisioner holds it).
+#[derive(Debug, Clone)]
+pub struct StorageClass {
+    pub name: String,
+    pub provisioner: String,
+    pub parameters: BTreeMap<String, String>,
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// PVC of the drill's StorageClass without a volume → CreateVolume → bound CSI PV (RWO).
+pub fn provisioner(
+    cluster: &Cluster,
+    controller: CsiClient,
+    sc: StorageClass,
+    size: i64,
+    progress: Progress,
+) -> Task {
+    let cluster = cluster.clone();
+    every(Duration::from_millis(100), move || {
+        let (cluster, controller, sc, progress) = (
+            cluster.clone(),
+            controller.clone(),
+            sc.clone(),
+            progress.clone(),
+        );
+        async move {
+            let pvcs = cluster
+                .api::<PersistentVolumeClaim>(None)
+                .list_filtered(&ListParams::default(), |c| {
+                    c.spec.as_ref().is_some_and(|s| {
+                        s.volume_name.is_none()
+                            && s.storage_class_name.as_deref() == Some(sc.name.as_str())
+                    })
+                })
+                .await?;
+            for pvc in pvcs {
+                provision(&cluster, &controller, &sc, size, &pvc, &progress)
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "provisioning {}",
+                            pvc.metadata.name.clone().unwrap_or_default()
+                        )
+                    })?;
+            }
+            Ok(())
+        }
+    })
+}
+
+async fn provision(
+    cluster: &Cluster,
+    controller: &CsiClient,
+    sc: &StorageClass,
+    size: i64,
+    pvc: &PersistentVolumeClaim,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let ns = pvc.metadata.namespace.clone().unwrap_or_default();
+    let claim = pvc.metadata.name.clone().unwrap_or_default();
+    let uid = pvc.metadata.uid.clone().unwrap_or_default();
+    let pv_name = format!("pvc-{uid}");
+    let fs = sc
+        .parameters
+        .get("fsType")
+        .cloned()
+        .unwrap_or_else(|| "ext4".into());
+    let cap = mount_cap(Access::SingleNodeWriter, &fs);
+    let vol = retry_aborted(|| {
+        let mut c = controller.clone();
+        let req = csi::CreateVolumeRequest {
+            name: pv_name.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: size,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            parameters: sc.parameters.clone().into_iter().collect(),
+            ..Default::default()
+        };
+        async move { c.controller.create_volume(req).await }
+    })
+    .await
+    .context("CreateVolume")?
+    .into_inner()
+    .volume
+    .ok_or_else(|| anyhow!("CreateVolume returned no volume"))?;
+    let pv = PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(pv_name.clone()),
+            annotations: Some(
+                [(
+                    "pv.kubernetes.io/provisioned-by".to_string(),
+                    sc.provisioner.clone(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            capacity: Some(
+                [(
+                    "storage".to_string(),
+                    Quantity(vol.capacity_bytes.to_string()),
+                )]
+                .into(),
+            ),
+            storage_class_name: Some(sc.name.clone()),
+            persistent_volume_reclaim_policy: Some("Delete".into()),
+            claim_ref: Some(ObjectReference {
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: Some(ns.clone()),
+                name: Some(claim.clone()),
+                uid: Some(uid.clone()),
+                ..Default::default()
+            }),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: sc.provisioner.clone(),
+                volume_handle: vol.volume_id.clone(),
+                fs_type: Some(fs.clone()),
+                volume_attributes: Some(vol.volume_context.clone().into_iter().collect()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    };
+    match cluster.api::<PersistentVolume>(None).create(&pv).await {
+        Ok(_) => {}
+        Err(e) if e.is_already_exists() => {}
+        Err(e) => return Err(e.into()),
+    }
+    let pvcs = cluster.api::<PersistentVolumeClaim>(Some(&ns));
+    let mut cur = pvcs.get(&claim).await?;
+    cur.spec.get_or_insert_with(Default::default).volume_name = Some(pv_name.clone());
+    let cur = pvcs.replace(&cur).await?;
+    let mut st = cur.clone();
+    let status = st.status.get_or_insert_with(Default::default);
+    status.phase = Some("Bound".into());
+    status.access_modes = Some(vec!["ReadWriteOnce".into()]);
+    let _ = pvcs.replace_status(&st).await;
+    progress.say(format!(
+        "provisioner: {ns}/{claim} bound to {pv_name} (CreateVolume → {}, {fs}, {} MiB)",
+        vol.volume_id,
+        vol.capacity_bytes >> 20
+    ));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// The attach-detach controller: a pod on a node with a CSI PV of `driver` gets the
+/// VolumeAttachment `volume_attachment_name(handle, driver, node)`; the attachment is
+/// deleted once no pod on that node uses the PV any more.
+pub fn attach_detach(cluster: &Cluster, drivers: Vec<String>, progress: Progress) -> Task {
+    let cluster = cluster.clone();
+    every(Duration::from_millis(100), move || {
+        let (cluster, drivers, progress) = (cluster.clone(), drivers.clone(), progress.clone());
+        async move {
+            let pods = cluster
+                .api::<Pod>(None)
+                .list(&ListParams::default())
+                .await?
+                .items;
+            let mut users: HashSet<String> = HashSet::new();
+            let mut pvc_cache: HashMap<(String, String), Option<String>> = HashMap::new();
+            for p in &pods {
+                let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+                    continue;
+                };
+                let ns = p.metadata.namespace.clone().unwrap_or_default();
+                let claims: Vec<String> = p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.volumes.clone())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|v| v.persistent_volume_claim.map(|c| c.claim_name))
+                    .collect();
+                for claim in claims {
+                    let key = (ns.clone(), claim.clone());
+                    if !pvc_cache.contains_key(&key) {
+                        let pv = cluster
+                            .api::<PersistentVolumeClaim>(Some(&ns))
+                            .get_opt(&claim)
+                            .await?
+                            .and_then(|c| c.spec.and_then(|s| s.volume_name));
+                        pvc_cache.insert(key.clone(), pv);
+                    }
+                    let Some(pv_name) = pvc_cache[&key].clone() else {
+                        continue;
+                    };
+                    let Some(pv) = cluster
+                        .api::<PersistentVolume>(None)
+                        .get_opt(&pv_name)
+                        .await?
+                    else {
+                        continue;
+                    };
+                    let Some(src) = pv.spec.and_then(|s| s.csi) else {
+                        continue;
+                    };
+                    if !drivers.contains(&src.driver) {
+                        continue;
+                    }
+                    let name = volume_attachment_name(&src.volume_handle, &src.driver, &node);
+                    users.insert(name.clone());
+                    if p.metadata.deletion_timestamp.is_some() {
+                        continue;
+                    }
+                    let vas = cluster.api::<VolumeAttachment>(None);
+                    if vas.get_opt(&name).await?.is_none() {
+                        let va = VolumeAttachment {
+                            metadata: ObjectMeta {
+                                name: Some(name.clone()),
+                                ..Default::default()
+                            },
+                            spec: VolumeAttachmentSpec {
+                                attacher: src.driver.clone(),
+                                node_name: node.clone(),
+                                source: VolumeAttachmentSource {
+                                    persistent_volume_name: Some(pv_name.clone()),
+                                    ..Default::default()
+                                },
+                            },
+                            status: None,
+                        };
+                        match vas.create(&va).await {
+                            Ok(_) => progress.say(format!(
+                                "attach-detach: VolumeAttachment {}… for {pv_name} on {node} created",
+                                &name[..16]
+                            )),
+                            Err(e) if e.is_already_exists() => {}
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                }
+            }
+            let vas = cluster.api::<VolumeAttachment>(None);
+            for va in vas.list(&ListParams::default()).await?.items {
+                let name = va.metadata.name.clone().unwrap_or_default();
+                if va.metadata.deletion_timestamp.is_some()
+                    || !drivers.contains(&va.spec.attacher)
+                    || users.contains(&name)
+                {
+                    continue;
+                }
+                match vas.delete(&name, &DeleteOptions::default()).await {
+                    Ok(_) => progress.say(format!(
+                        "attach-detach: no pod on {} uses {} any more: VolumeAttachment {}… deleted",
+                        va.spec.node_name,
+                        va.spec.source.persistent_volume_name.clone().unwrap_or_default(),
+                        &name[..16]
+                    )),
+                    Err(e) if e.is_not_found() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Ok(())
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// Whether a node can take new pods: Ready and without NoSchedule/NoExecute taints.
+pub fn schedulable(n: &Node) -> bool {
+    ready_condition(n).is_some_and(|c| c.status == "True")
+        && n.spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_none_or(|ts| ts.iter().all(|t| t.effect == "PreferNoSchedule"))
+}
+
+/// A writer pod `name` on `node` with claim `claim`.
+pub fn writer_pod(ns: &str, name: &str, node: &str, claim: &str, toleration_secs: i64) -> Pod {
+    let tol = |key: &str| Toleration {
+        key: Some(key.into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoExecute".into()),
+        toleration_seconds: Some(toleration_secs),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            labels: Some([("app".to_string(), "writer".to_string())].into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.into()),
+            containers: vec![Container {
+                name: "writer".into(),
+                image: Some("fencecsi-drill/writer".into()),
+                ..Default::default()
+            }],
+            volumes: Some(vec![Volume {
+                name: "data".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: claim.into(),
+                    read_only: None,
+                }),
+                ..Default::default()
+            }]),
+            tolerations: Some(vec![tol(NOT_READY_TAINT_KEY), tol(UNREACHABLE_TAINT_KEY)]),
+            termination_grace_period_seconds: Some(30),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The StatefulSet controller: keeps pods `writer-<i>` (claim `data-writer-<i>`) in
+/// existence. The first ones go to `first_node`; a pod that is gone is re-created (new
+/// UID) on the first Ready, untainted node.
+pub fn statefulset(
+    cluster: &Cluster,
+    ns: &str,
+    replicas: usize,
+    first_node: &str,
+    toleration_secs: i64,
+    progress: Progress,
+) -> Task {
+    let cluster = cluster.clone();
+    let ns = ns.to_string();
+    let first_node = first_node.to_string();
+    let created: Arc<Mutex<HashSet<String>>> = Arc::default();
+    every(Duration::from_millis(50), move || {
+        let (cluster, ns, first_node, progress, created) = (
+            cluster.clone(),
+            ns.clone(),
+            first_node.clone(),
+            progress.clone(),
+            created.clone(),
+        );
+        async move {
+            let pods = cluster.api::<Pod>(Some(&ns));
+            for i in 0..replicas {
+                let name = format!("writer-{i}");
+                if pods.get_opt(&name).await?.is_some() {
+                    continue;
+                }
+                let first = !created.lock().unwrap().contains(&name);
+                let node = if first {
+                    first_node.clone()
+                } else {
+                    let mut nodes = cluster
+                        .api::<Node>(None)
+                        .list(&ListParams::default())
+                        .await?
+                        .items;
+                    nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+                    match nodes.iter().find(|n| schedulable(n)) {
+                        Some(n) => n.metadata.name.clone().unwrap_or_default(),
+                        None => continue,
+                    }
+                };
+                let p = writer_pod(&ns, &name, &node, &format!("data-{name}"), toleration_secs);
+                match pods.create(&p).await {
+                    Ok(p) => {
+                        created.lock().unwrap().insert(name.clone());
+                        progress.say(format!(
+                            "statefulset: pod {name} {} on {node} (uid {})",
+                            if first { "created" } else { "re-created" },
+                            &p.metadata.uid.unwrap_or_default()[..8]
+                        ));
+                    }
+                    Err(e) if e.is_already_exists() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Ok(())
+        }
+    })
+}
