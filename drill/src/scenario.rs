@@ -177,11 +177,64 @@ fn observer(
         }
     });
     let _ = sh;
+    // Node A's transitions, timed as the watch delivers them.
+    let node_times: Arc<Mutex<BTreeMap<Step, f64>>> = Arc::default();
+    let (nt, c2, prog2, na) = (
+        node_times.clone(),
+        cluster.clone(),
+        progress.clone(),
+        node_a.clone(),
+    );
+    let node_watch = tokio::spawn(async move {
+        let params = WatchParams::default().fields(&format!("metadata.name={na}"));
+        let Ok(mut w) = c2.api::<Node>(None).watch(&params) else {
+            return;
+        };
+        while let Some(ev) = w.next().await {
+            let nodes = match ev {
+                WatchEvent::Listed(v) => v,
+                WatchEvent::Added(n) | WatchEvent::Modified(n) => vec![n],
+                WatchEvent::Deleted(_) => vec![],
+            };
+            let t = prog2.elapsed().as_secs_f64();
+            let mut m = nt.lock().unwrap();
+            for n in nodes {
+                if ready_condition(&n).is_some_and(|c| c.status != "True") {
+                    m.entry(Step::NotReady).or_insert(t);
+                }
+                let q = has_taint(&n, QUARANTINE_TAINT_KEY);
+                if q {
+                    m.entry(Step::Quarantined).or_insert(t);
+                }
+                if m.contains_key(&Step::Quarantined) {
+                    if n.metadata
+                        .annotations
+                        .as_ref()
+                        .is_some_and(|a| a.contains_key(NODE_CLEAN_ANNOTATION))
+                    {
+                        m.entry(Step::NodeCleaned).or_insert(t);
+                    }
+                    if !q {
+                        m.entry(Step::QuarantineLifted).or_insert(t);
+                    }
+                }
+            }
+        }
+    });
     Task(tokio::spawn(async move {
         let _watch = Task(watch);
+        let _node_watch = Task(node_watch);
         loop {
             if let Err(e) = observe_once(
-                &cluster, &node_a, &state_dir, &evidence, &board, &shared, &progress, &deletions,
+                &cluster,
+                &node_a,
+                &state_dir,
+                &evidence,
+                &board,
+                &shared,
+                &progress,
+                &deletions,
+                &node_times,
             )
             .await
             {
@@ -202,6 +255,7 @@ async fn observe_once(
     shared: &Shared,
     progress: &Progress,
     deletions: &Arc<Mutex<HashMap<String, (f64, bool)>>>,
+    node_times: &Arc<Mutex<BTreeMap<Step, f64>>>,
 ) -> anyhow::Result<()> {
     let t = progress.elapsed().as_secs_f64();
     let (armed, mut vols) = {
@@ -296,33 +350,24 @@ async fn observe_once(
             }
         }
     }
+    let nt = node_times.lock().unwrap().clone();
     let mut o = shared.lock().unwrap();
     o.vols = vols.clone();
-    if ready_condition(&node).is_some_and(|c| c.status != "True") {
-        mark(&mut o, Step::NotReady, t, progress, "");
-    }
-    let quarantined = has_taint(&node, QUARANTINE_TAINT_KEY);
-    if quarantined {
-        mark(&mut o, Step::Quarantined, t, progress, "");
-    }
     let clean = node
         .metadata
         .annotations
         .as_ref()
         .and_then(|a| a.get(NODE_CLEAN_ANNOTATION))
-        .cloned();
-    if o.steps.contains_key(&Step::Quarantined) {
-        if let Some(c) = clean {
-            mark(
-                &mut o,
-                Step::NodeCleaned,
-                t,
-                progress,
-                &format!(" ({NODE_CLEAN_ANNOTATION}={c})"),
-            );
-        }
-        if !quarantined {
-            mark(&mut o, Step::QuarantineLifted, t, progress, "");
+        .cloned()
+        .unwrap_or_default();
+    for (step, when) in nt {
+        let detail = if step == Step::NodeCleaned {
+            format!(" ({NODE_CLEAN_ANNOTATION}={clean})")
+        } else {
+            String::new()
+        };
+        if step != Step::QuarantineLifted || o.steps.contains_key(&Step::NodeCleaned) {
+            mark(&mut o, step, when, progress, &detail);
         }
     }
     for step in [

@@ -122,12 +122,20 @@ pub struct Config {
     #[arg(long = "recover-interval", default_value = "10s", value_parser = parse_duration)]
     pub recover_interval: std::time::Duration,
 
-    /// Report the node clean once nothing fenced is left. This binary has no cluster
-    /// client, so the report is only logged; embedders pass a reporter to
-    /// `server::serve_with` (fencecsi-podgc's `NodeCleanReporter` writes
-    /// fencecsi.io/node-clean on the Node).
+    /// Node return: once nothing fenced is left on this node, write the
+    /// fencecsi.io/node-clean annotation on its Node object (podgc lifts the
+    /// quarantine only after that). Needs a cluster client: in-cluster config,
+    /// or --kubeconfig. Without it the report is only logged.
     #[arg(long)]
     pub report_node_clean: bool,
+
+    /// Name of this node's Node object, if it differs from --node-id.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+
+    /// Kubeconfig for --report-node-clean (default: in-cluster config, then ~/.kube/config).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<std::path::PathBuf>,
 }
 
 /// Parses "10s", "500ms", "2m", "1h" or plain seconds.
@@ -208,6 +216,8 @@ impl Config {
             // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
             recover_interval: std::time::Duration::ZERO,
             report_node_clean: false,
+            node_name: None,
+            kubeconfig: None,
         }
     }
 }

@@ -80,7 +80,7 @@ pub struct ServeHooks {
 pub async fn serve_with(
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    hooks: ServeHooks,
+    mut hooks: ServeHooks,
 ) -> Result<(), ServeError> {
     cfg.validate().map_err(ServeError::Config)?;
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
@@ -106,8 +106,8 @@ pub async fn serve_with(
     let gc_task = controller
         .as_ref()
         .map(|c| spawn_gc(c.clone(), Duration::from_secs(cfg.gc_interval_secs.max(1))));
-    if cfg.report_node_clean && hooks.clean_reporter.is_none() {
-        tracing::warn!("--report-node-clean: this build has no cluster client; clean reports are logged only (embed with a reporter to write them)");
+    if cfg.report_node_clean && hooks.clean_reporter.is_none() && node.is_some() {
+        hooks.clean_reporter = Some(node_clean_reporter(&cfg).await?);
     }
     let recovery = match &node {
         Some(n) if !cfg.recover_interval.is_zero() || hooks.recovery.is_some() => {
@@ -160,6 +160,30 @@ fn spawn_gc(c: Arc<Controller>, every: Duration) -> tokio::task::JoinHandle<()> 
             }
         }
     })
+}
+
+/// The binary's clean reporter: writes the Node annotation through a real
+/// API server (in-cluster config, or --kubeconfig).
+async fn node_clean_reporter(
+    cfg: &Config,
+) -> Result<Arc<dyn crate::node::recover::CleanReporter>, ServeError> {
+    let cluster = match &cfg.kubeconfig {
+        Some(path) => fencecsi_cluster::Cluster::from_kubeconfig(path).await,
+        None => fencecsi_cluster::kube::Client::try_default()
+            .await
+            .map(fencecsi_cluster::Cluster::kube)
+            .map_err(Into::into),
+    }
+    .map_err(|e| ServeError::Config(format!("--report-node-clean needs a cluster client: {e}")))?;
+    let node = cfg
+        .node_name
+        .clone()
+        .or_else(|| cfg.node_id.clone())
+        .unwrap_or_default();
+    tracing::info!(node = %node, "clean reports go to the Node object");
+    Ok(Arc::new(crate::node::report::NodeCleanReporter::new(
+        &cluster, &node,
+    )))
 }
 
 /// Resolves on SIGTERM or SIGINT.

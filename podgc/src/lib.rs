@@ -40,13 +40,13 @@ pub mod config;
 pub mod controller;
 pub mod http;
 pub mod metrics;
-pub mod reporter;
 pub mod volumes;
 
 pub use config::PodGcConfig;
 pub use controller::{disrupt_and_delete, DeleteResult, PassSummary, PodGc, PodGcHandle};
+/// The node plugin's clean report lives with the node plugin; re-exported for embedders.
+pub use fencecsi_driver::node::report::NodeCleanReporter;
 pub use metrics::Metrics;
-pub use reporter::NodeCleanReporter;
 
 /// Annotations podgc keeps on a quarantined node besides the shared ones in
 /// [`fencecsi_cluster::well_known`].

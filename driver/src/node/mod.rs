@@ -7,6 +7,7 @@
 
 mod publish;
 pub mod recover;
+pub mod report;
 mod stage;
 mod stats;
 

@@ -1,7 +1,7 @@
 //! The node plugin's clean report, written to the Node object.
 //!
 //! [`NodeCleanReporter`] implements the driver's
-//! [`CleanReporter`](fencecsi_driver::node::recover::CleanReporter): the node plugin calls
+//! [`CleanReporter`](super::recover::CleanReporter): the node plugin calls
 //! it after every recovery pass that left nothing fenced, with the time the pass started.
 //! It keeps the node's quarantine annotations from a watch on that one Node (as a kubelet
 //! watches its own Node), so a call costs nothing unless a write is due, and writes
@@ -11,11 +11,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use super::recover::{BoxError, CleanReporter};
 use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
 use fencecsi_cluster::well_known::{NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION};
 use fencecsi_cluster::{Cluster, MetadataPatch, WatchEvent, WatchParams};
-use fencecsi_driver::node::recover::{BoxError, CleanReporter};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 
