@@ -84,6 +84,8 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Cluster, "events.k8s.io", "events", &["create"]),
     ("podgc", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["list", "watch"]),
+    // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
+    ("node", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
     // external-provisioner v5 (--feature-gates=Topology=true, --leader-election)
     ("provisioner", Cluster, "", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),
     ("provisioner", Cluster, "", "persistentvolumeclaims", &["get", "list", "watch", "update"]),
@@ -111,12 +113,6 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("snapshotter", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
 ];
 
-/// What podgc's NodeCleanReporter (podgc/src/reporter.rs) would need on the node's
-/// ServiceAccount, once a binary in the node pod runs it: a watch on its own Node, a get,
-/// and a metadata patch (get + patch) for the fencecsi.io/node-clean annotation.
-const NODE_REPORTER_NEEDS: &[(&str, &str, &[&str])] =
-    &[("", "nodes", &["get", "list", "watch", "patch"])];
-
 /// Where each component with RBAC runs: (component, workload, container).
 const COMPONENTS: &[(&str, &str, &str)] = &[
     ("attacher", CONTROLLER, "fencecsi-attacher"),
@@ -124,26 +120,23 @@ const COMPONENTS: &[(&str, &str, &str)] = &[
     ("provisioner", CONTROLLER, "csi-provisioner"),
     ("resizer", CONTROLLER, "csi-resizer"),
     ("snapshotter", CONTROLLER, "csi-snapshotter"),
+    ("node", NODE, "fencecsi-driver"),
 ];
 
 /// Which sources each fencecsi component's cluster calls live in (relative to the repo),
 /// and which files of those directories are not part of the deployed component.
+/// The driver directory is the node plugin's: the controller plugin has no cluster client.
 const CODE: &[(&str, &str, &[(&str, &str)])] = &[
     ("attacher", "attacher/src", &[]),
     (
         "podgc",
         "podgc/src",
-        &[
-            (
-                "bench.rs",
-                "the `bench` subcommand, on an embedded cluster only",
-            ),
-            (
-                "reporter.rs",
-                "NodeCleanReporter: the node plugin's side, see NODE_REPORTER_NEEDS",
-            ),
-        ],
+        &[(
+            "bench.rs",
+            "the `bench` subcommand, on an embedded cluster only",
+        )],
     ),
+    ("node", "driver/src", &[]),
 ];
 
 // ---------------------------------------------------------------------------------------

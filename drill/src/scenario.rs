@@ -207,11 +207,21 @@ fn observer(
                     m.entry(Step::Quarantined).or_insert(t);
                 }
                 if m.contains_key(&Step::Quarantined) {
-                    if n.metadata
-                        .annotations
-                        .as_ref()
-                        .is_some_and(|a| a.contains_key(NODE_CLEAN_ANNOTATION))
-                    {
+                    // A report counts once it is newer than quarantined-at, which podgc
+                    // re-stamps when the fences are done (an earlier report is stale).
+                    let a = n.metadata.annotations.clone().unwrap_or_default();
+                    let ts = |k: &str| {
+                        a.get(k).and_then(|v| {
+                            v.parse::<fencecsi_cluster::k8s_openapi::jiff::Timestamp>()
+                                .ok()
+                        })
+                    };
+                    let counts = a.contains_key(fencecsi_podgc::annotations::FENCES_DONE)
+                        && matches!(
+                            (ts(NODE_CLEAN_ANNOTATION), ts(QUARANTINED_AT_ANNOTATION)),
+                            (Some(c), Some(q)) if c > q
+                        );
+                    if counts {
                         m.entry(Step::NodeCleaned).or_insert(t);
                     }
                     if !q {

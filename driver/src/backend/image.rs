@@ -142,6 +142,23 @@ impl Backend for ImageBackend {
         Ok(fence::holders(&path)?)
     }
 
+    fn holder_snapshot(&self) -> Result<Vec<LoopInfo>, BackendError> {
+        crate::loopdev::list().map_err(|e| {
+            BackendError::io("listing loop devices")(std::io::Error::other(e.to_string()))
+        })
+    }
+
+    fn holders_in(&self, snapshot: &[LoopInfo], vol: &VolumeId, gen: u64) -> Vec<LoopInfo> {
+        match fsops::dev_ino(&self.generation_path(vol, gen)) {
+            Ok((dev, ino)) => snapshot
+                .iter()
+                .filter(|l| l.backing_dev == dev && l.backing_ino == ino)
+                .cloned()
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
     fn remove_generation(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError> {
         let path = self.generation_path(vol, gen);
         if !path.exists() {

@@ -92,6 +92,11 @@ pub trait Backend: Send + Sync + 'static {
     fn freeze(&self, vol: &VolumeId, gen: u64) -> Result<FenceReport, BackendError>;
     /// Who still holds a generation (attached loop devices).
     fn holders(&self, vol: &VolumeId, gen: u64) -> Result<Vec<LoopInfo>, BackendError>;
+    /// Every holder there is now, in one scan (filter it with
+    /// [`Backend::holders_in`] when asking about many generations at once).
+    fn holder_snapshot(&self) -> Result<Vec<LoopInfo>, BackendError>;
+    /// The holders of one generation within a snapshot.
+    fn holders_in(&self, snapshot: &[LoopInfo], vol: &VolumeId, gen: u64) -> Vec<LoopInfo>;
     /// Deletes a generation no one holds (thawing it first if fenced).
     fn remove_generation(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError>;
     /// Deletes all that is left of a volume.

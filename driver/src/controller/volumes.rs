@@ -412,13 +412,15 @@ impl Controller {
         } else {
             String::new()
         };
+        // One scan of the holders for the whole page.
+        let snapshot = self.backend.holder_snapshot()?;
         let entries = page
             .iter()
             .map(|v| list_volumes_response::Entry {
                 volume: Some(self.to_csi(v)),
                 status: Some(list_volumes_response::VolumeStatus {
                     published_node_ids: v.attachments.keys().cloned().collect(),
-                    volume_condition: Some(self.condition(v)),
+                    volume_condition: Some(self.condition_with(v, &snapshot)),
                 }),
             })
             .collect();
@@ -430,7 +432,22 @@ impl Controller {
 
     /// The volume's health as the controller sees it, including who still
     /// holds fenced generations (usage detection by backing inode).
+    /// [`Controller::condition_with`] with a fresh scan of the holders.
     pub(super) fn condition(&self, v: &VolumeMeta) -> VolumeCondition {
+        match self.backend.holder_snapshot() {
+            Ok(snapshot) => self.condition_with(v, &snapshot),
+            Err(e) => VolumeCondition {
+                abnormal: true,
+                message: format!("cannot inspect holders: {e}"),
+            },
+        }
+    }
+
+    pub(super) fn condition_with(
+        &self,
+        v: &VolumeMeta,
+        snapshot: &[crate::loopdev::LoopInfo],
+    ) -> VolumeCondition {
         let id = v.volume_id();
         if v.state == VolumeState::Ready
             && !self.backend.generation_exists(&id, v.current_generation)
@@ -442,15 +459,7 @@ impl Controller {
         }
         let mut notes = Vec::new();
         for (gen, g) in &v.generations {
-            let holders = match self.backend.holders(&id, *gen) {
-                Ok(h) => h,
-                Err(e) => {
-                    return VolumeCondition {
-                        abnormal: true,
-                        message: format!("cannot inspect generation {gen}: {e}"),
-                    }
-                }
-            };
+            let holders = self.backend.holders_in(snapshot, &id, *gen);
             let devices: Vec<String> = holders
                 .iter()
                 .map(|l| l.device.display().to_string())

@@ -214,6 +214,13 @@ impl Node {
             .map_err(|e| CsiError::internal("reading the mount table", e))?;
         if let Some(m) = here.last() {
             if (m.major, m.minor) == (major, minor) {
+                if m.fs_type != fs {
+                    return Err(CsiError::AlreadyExists(format!(
+                        "{} is already staged with {}, not {fs}",
+                        staging.display(),
+                        m.fs_type
+                    )));
+                }
                 return Ok(());
             }
             return Err(CsiError::AlreadyExists(format!(
