@@ -123,10 +123,17 @@ const COMPONENTS: &[(&str, &str, &str)] = &[
     ("node", NODE, "fencecsi-driver"),
 ];
 
+/// (component, source directory, [(file not counted, why)]).
+type CodeDirs = &'static [(
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+)];
+
 /// Which sources each fencecsi component's cluster calls live in (relative to the repo),
 /// and which files of those directories are not part of the deployed component.
 /// The driver directory is the node plugin's: the controller plugin has no cluster client.
-const CODE: &[(&str, &str, &[(&str, &str)])] = &[
+const CODE: CodeDirs = &[
     ("attacher", "attacher/src", &[]),
     (
         "podgc",
@@ -143,15 +150,20 @@ const CODE: &[(&str, &str, &[(&str, &str)])] = &[
 // Loading
 // ---------------------------------------------------------------------------------------
 
-fn deploy_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+/// The repository checked: this one, or a copy named by FENCECSI_DEPLOY_TEST_ROOT (to see
+/// these tests fail on a deliberately broken copy without touching the real tree).
+fn repo_root() -> PathBuf {
+    match std::env::var_os("FENCECSI_DEPLOY_TEST_ROOT") {
+        Some(root) => PathBuf::from(root),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("deploy/ has a parent")
+            .to_path_buf(),
+    }
 }
 
-fn repo_root() -> PathBuf {
-    deploy_dir()
-        .parent()
-        .expect("deploy/ has a parent")
-        .to_path_buf()
+fn deploy_dir() -> PathBuf {
+    repo_root().join("deploy")
 }
 
 fn base_dir() -> PathBuf {
@@ -421,7 +433,7 @@ fn binary(name: &str) -> PathBuf {
             cmd.arg("--release");
         }
         let out = cmd
-            .current_dir(repo_root())
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
             .output()
             .expect("running cargo build");
         assert!(
@@ -495,6 +507,24 @@ fn parse_help(text: &str) -> Help {
         flags,
         envs,
     }
+}
+
+/// Environment variables a binary's crate reads itself (`env::var("NAME")`), beside the
+/// ones clap shows in --help.
+fn env_read_by_code(bin: &str) -> BTreeSet<String> {
+    let dir = repo_root()
+        .join(bin.trim_start_matches("fencecsi-"))
+        .join("src");
+    let mut names = BTreeSet::new();
+    for f in rust_files(&dir) {
+        let src = production_source(&read(&f));
+        for pat in ["env::var(\"", "env::var_os(\""] {
+            for piece in src.split(pat).skip(1) {
+                names.insert(piece.split('"').next().unwrap_or("").to_string());
+            }
+        }
+    }
+    names
 }
 
 /// A container's args with `$(VAR)` references replaced by sample values, as the kubelet
@@ -1179,72 +1209,79 @@ fn the_rbac_table_covers_every_kind_the_code_uses() {
     );
 }
 
-/// The node pod has no API access because nothing in it talks to the API server. If the
-/// node plugin ever runs podgc's NodeCleanReporter (or any cluster client), this fails and
-/// says what to grant.
+/// In the node pod only the node plugin calls the API server (its clean report). The pod
+/// mounts no token by default; the driver container alone mounts a projected one where
+/// in-cluster clients look for it.
 #[test]
-fn the_node_pod_has_no_api_access_while_the_node_plugin_has_no_cluster_client() {
-    let driver_manifest = read(&repo_root().join("driver/Cargo.toml"));
-    let deps_section = driver_manifest
-        .split("[dev-dependencies]")
-        .next()
-        .unwrap_or("");
-    let mut uses_cluster = Vec::new();
-    for dep in ["kube", "fencecsi-cluster", "fencecsi-podgc"] {
-        if deps_section
-            .lines()
-            .any(|l| l.trim_start().starts_with(&format!("{dep}")) && l.contains('='))
-        {
-            uses_cluster.push(format!("driver/Cargo.toml depends on {dep}"));
-        }
-    }
-    for f in rust_files(&repo_root().join("driver/src")) {
-        let src = production_source(&read(&f));
-        if src.contains("NodeCleanReporter")
-            || src.contains("fencecsi_cluster")
-            || src.contains("kube::")
-        {
-            uses_cluster.push(format!("{} uses a cluster client", f.display()));
-        }
-    }
-    // The reporter itself: make sure NODE_REPORTER_NEEDS still describes it.
-    let reporter = production_source(&read(&repo_root().join("podgc/src/reporter.rs")));
-    let reporter_kinds: BTreeSet<String> = kinds_used(&reporter);
+fn only_the_node_plugin_gets_an_api_token_in_the_node_pod() {
+    const TOKEN_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+    let pod = pod_spec_of_daemonset(&node());
+    assert_eq!(pod.service_account_name.as_deref(), Some(NODE));
     assert_eq!(
-        reporter_kinds,
-        BTreeSet::from(["Node".to_string()]),
-        "podgc/src/reporter.rs changed what it touches: update NODE_REPORTER_NEEDS"
-    );
-    assert!(
-        uses_cluster.is_empty(),
-        "the node plugin now talks to the API server ({uses_cluster:?}): give the {NODE} \
-         ServiceAccount a ClusterRole with {NODE_REPORTER_NEEDS:?} (podgc/src/reporter.rs), \
-         mount its token, and add a `node` component to the RBAC table"
-    );
-    let ds = pod_spec_of_daemonset(&node());
-    assert_eq!(ds.service_account_name.as_deref(), Some(NODE));
-    assert_eq!(
-        ds.automount_service_account_token,
+        pod.automount_service_account_token,
         Some(false),
-        "the node pod needs no API token"
+        "the registrar and livenessprobe need no API token"
     );
-    let sa = one::<ServiceAccount>(NODE);
-    assert_eq!(sa.automount_service_account_token, Some(false));
-    for (d, b) in all::<ClusterRoleBinding>()
-        .into_iter()
-        .map(|(d, b)| (d, b.subjects.unwrap_or_default()))
-        .chain(
-            all::<RoleBinding>()
-                .into_iter()
-                .map(|(d, b)| (d, b.subjects.unwrap_or_default())),
-        )
-    {
-        assert!(
-            !b.iter().any(|s| s.name == NODE),
-            "{} {} binds a role to {NODE}, which needs none",
-            d.kind(),
-            d.name()
-        );
+    assert_eq!(
+        one::<ServiceAccount>(NODE).automount_service_account_token,
+        Some(false)
+    );
+    let driver = driver_container(&pod);
+    assert!(
+        flag(driver, "report-node-clean").is_some(),
+        "without --report-node-clean no node is ever reported clean, and podgc never lifts a quarantine"
+    );
+    let token_volumes: Vec<&Volume> = pod
+        .volumes
+        .iter()
+        .flatten()
+        .filter(|v| {
+            v.projected.as_ref().is_some_and(|p| {
+                p.sources
+                    .iter()
+                    .flatten()
+                    .any(|s| s.service_account_token.is_some())
+            })
+        })
+        .collect();
+    assert_eq!(token_volumes.len(), 1, "one projected token volume");
+    let tv = token_volumes[0];
+    // What kube-rs's in-cluster configuration reads: token, ca.crt, namespace.
+    let mut files = BTreeSet::new();
+    for s in tv.projected.as_ref().unwrap().sources.iter().flatten() {
+        if let Some(t) = &s.service_account_token {
+            files.insert(t.path.clone());
+        }
+        if let Some(c) = &s.config_map {
+            assert_eq!(c.name.as_str(), "kube-root-ca.crt");
+            files.extend(c.items.iter().flatten().map(|i| i.path.clone()));
+        }
+        if let Some(d) = &s.downward_api {
+            files.extend(d.items.iter().flatten().map(|i| i.path.clone()));
+        }
+    }
+    assert_eq!(
+        files,
+        BTreeSet::from(["ca.crt".to_string(), "namespace".into(), "token".into()])
+    );
+    for c in &pod.containers {
+        let mounts: Vec<_> = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .filter(|m| m.name == tv.name)
+            .collect();
+        if c.name == driver.name {
+            assert_eq!(mounts.len(), 1, "the node plugin mounts the token");
+            assert_eq!(mounts[0].mount_path, TOKEN_DIR);
+            assert_eq!(mounts[0].read_only, Some(true));
+        } else {
+            assert!(
+                mounts.is_empty(),
+                "{} mounts the API token but calls no API",
+                c.name
+            );
+        }
     }
 }
 
@@ -1308,7 +1345,8 @@ fn fencecsi_containers_use_only_flags_and_env_the_binaries_accept() {
             }
             for name in env.keys() {
                 let referenced = args(c).iter().any(|a| a.contains(&format!("$({name})")));
-                if !h.envs.contains(name) && !referenced && name != "RUST_LOG" {
+                let read = h.envs.contains(name) || env_read_by_code(bin).contains(name);
+                if !read && !referenced && name != "RUST_LOG" {
                     errors.push(format!(
                         "{what}: env {name} is read by nothing ({bin} reads {:?})",
                         h.envs
@@ -2061,8 +2099,7 @@ fn dockerfile_builds_every_binary_the_manifests_run_with_the_tools_they_need() {
     }
     let last_user = df
         .lines()
-        .filter(|l| l.starts_with("USER "))
-        .last()
+        .rfind(|l| l.starts_with("USER "))
         .expect("a USER line");
     assert!(
         !last_user.contains(" 0") && !last_user.contains("root"),

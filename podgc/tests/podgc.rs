@@ -250,7 +250,9 @@ async fn quarantines_before_it_force_deletes_with_condition_and_deletes_attachme
     let _ = pod_w.next().await;
 
     let h = PodGc::new(c.clone(), cfg()).spawn();
-    set_ready(&c, "n1", "Unknown", Duration::from_secs(1)).await;
+    // NotReady from now: two passes (~0.4 s) must come and go well inside the
+    // 2 s grace, even on a loaded machine.
+    set_ready(&c, "n1", "Unknown", Duration::ZERO).await;
     // Not yet past the 2 s grace.
     passes(&h, 2).await;
     assert!(c

@@ -345,7 +345,9 @@ async fn identity_info_capabilities_probe() {
         )),
         Code::Unimplemented
     );
-    let (ctl_plugin, mut k) = InProcess::start(env.config(Mode::Controller, None, "ctl")).await;
+    // Its own state dir: one controller owns a state dir at a time.
+    let ctl_env = Env::new();
+    let (ctl_plugin, mut k) = InProcess::start(ctl_env.config(Mode::Controller, None, "ctl")).await;
     assert_code!(
         k.node.node_get_info(csi::NodeGetInfoRequest {}),
         Code::Unimplemented

@@ -42,6 +42,8 @@ pub fn kernel_segment() -> String {
 }
 
 pub struct Controller {
+    /// Held for the controller's lifetime: one controller per state dir.
+    _owner: OwnerLock,
     pub(crate) cfg: Config,
     pub(crate) store: MetaStore,
     pub(crate) backend: Arc<dyn Backend>,
@@ -49,13 +51,51 @@ pub struct Controller {
     pub(crate) kernel: String,
 }
 
+/// An exclusive `flock` on `<state>/controller.lock`. The controller keeps
+/// the volume metadata in memory and writes it back, so a second controller
+/// on the same state dir (say, a replacement pod while the old one still
+/// runs) would overwrite the first one's records; it refuses to start instead.
+struct OwnerLock {
+    _file: std::fs::File,
+}
+
+impl OwnerLock {
+    fn acquire(state_dir: &std::path::Path) -> std::io::Result<Self> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = state_dir.join("controller.lock");
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)?;
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let mut holder = String::new();
+            let _ = f.read_to_string(&mut holder);
+            return Err(std::io::Error::other(format!(
+                "{} is owned by another running controller plugin (pid {}); only one may serve a state dir",
+                state_dir.display(),
+                holder.trim()
+            )));
+        }
+        f.set_len(0)?;
+        f.rewind()?;
+        write!(f, "{}", std::process::id())?;
+        Ok(OwnerLock { _file: f })
+    }
+}
+
 impl Controller {
     pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
         std::fs::create_dir_all(&cfg.state_dir)?;
+        let owner = OwnerLock::acquire(&cfg.state_dir)?;
         let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
         let store = MetaStore::open(&cfg.state_dir)?;
         tracing::info!(state_dir = %cfg.state_dir.display(), volumes = store.volumes().len(), "controller state loaded");
         Ok(Arc::new(Controller {
+            _owner: owner,
             cfg,
             store,
             backend: Arc::new(backend),
@@ -228,5 +268,34 @@ impl CsiController for ControllerService {
         Err(Status::unimplemented(
             "ControllerModifyVolume is not supported (MODIFY_VOLUME is not advertised)",
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Mode;
+
+    #[test]
+    fn one_controller_per_state_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config::local(
+            Mode::Controller,
+            None,
+            dir.path().join("state"),
+            dir.path().join("kubelet"),
+            dir.path().join("c.sock"),
+        );
+        let first = Controller::open(cfg.clone()).unwrap();
+        let err = Controller::open(cfg.clone())
+            .err()
+            .expect("a second controller must be refused");
+        assert!(
+            err.to_string()
+                .contains("owned by another running controller plugin"),
+            "{err}"
+        );
+        drop(first);
+        Controller::open(cfg).expect("free again once the first one is gone");
     }
 }
