@@ -3,7 +3,7 @@
 //! of the backing filesystem, measured in the same run.
 //!
 //! cargo bench -p fencecsi-tests --bench driver   (needs root)
-//! FENCECSI_BENCH_VOLUMES (default 50)
+//! FENCECSI_BENCH_VOLUMES (default 50); FENCECSI_BENCH_LOOP_DIO=1 for loop devices in direct-I/O mode
 
 use std::time::Instant;
 
@@ -22,7 +22,10 @@ async fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(50);
     let env = Env::new();
-    let rig = Rig::start(&env, &["node-a"]).await;
+    // FENCECSI_BENCH_LOOP_DIO=1 measures loop devices in direct-I/O mode.
+    let loop_dio = std::env::var("FENCECSI_BENCH_LOOP_DIO").is_ok_and(|v| v == "1");
+    println!("loop devices: {}\n", if loop_dio { "direct I/O (--direct-io=true)" } else { "buffered (default)" });
+    let rig = Rig::start_with(&env, &["node-a"], |c| c.direct_io = loop_dio).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let mut node = rig.node("node-a");
     let mut ctl = rig.controller.clone();
