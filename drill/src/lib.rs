@@ -66,7 +66,9 @@ impl Options {
             min_records: 20,
             write_interval_ms: 10,
             node_monitor_grace: Duration::from_secs(2),
-            toleration_seconds: 1,
+            // Kubernetes' default: podgc's out-of-service taint evicts the pods
+            // at once anyway, which is what the drill shows.
+            toleration_seconds: 300,
             podgc_shutdown_grace: Duration::from_secs(1),
             unsafe_pod: false,
             progress: Progress::stderr(),

@@ -86,8 +86,8 @@ pub struct Comparison {
     pub fencecsi_measured_from_shutdown_s: f64,
     /// Mechanics: from podgc's quarantine to the volume published on B.
     pub fencecsi_mechanics_s: f64,
-    /// 40 s monitor grace + podgc's 30 s shutdown grace + the mechanics (pods tolerating
-    /// not-ready/unreachable for ≤ 30 s).
+    /// 40 s monitor grace + podgc's 30 s shutdown grace + the mechanics (podgc's
+    /// out-of-service taint evicts the pods at once, whatever their tolerations).
     pub fencecsi_projected_production_s: f64,
     /// kubernetes_deployment_s / fencecsi_projected_production_s.
     pub ratio: f64,
@@ -195,7 +195,7 @@ impl Report {
                 c.fencecsi_measured_from_shutdown_s, c.fencecsi_mechanics_s
             ));
             p.raw(format!(
-                "  fencecsi, projected with production defaults: 40 s + 30 s podgc grace + {:.2} s = {:.1} s  ({:.1}x faster; pods tolerating not-ready/unreachable ≤ 30 s)",
+                "  fencecsi, projected with production defaults: 40 s + 30 s podgc grace + {:.2} s = {:.1} s  ({:.1}x faster; podgc's out-of-service taint evicts the pods at once, whatever their tolerations)",
                 c.fencecsi_mechanics_s, c.fencecsi_projected_production_s, c.ratio
             ));
         }

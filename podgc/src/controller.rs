@@ -829,11 +829,16 @@ impl Runner {
         let mut selected = Vec::new();
         let mut keep_pvs: HashSet<String> = HashSet::new();
         let mut warn = Vec::new();
+        // Running pods whose every volume can be detached safely (fenced).
+        let mut safe_running = 0usize;
         {
             let mut resolver = Resolver::new(&self.cluster, &self.caches.drivers);
             for pod in &pods {
                 let c = resolver.classify(pod).await?;
                 if pod.metadata.deletion_timestamp.is_none() {
+                    if c.verdict.is_ok() && !c.pvs.is_empty() {
+                        safe_running += 1;
+                    }
                     keep_pvs.extend(c.pvs);
                     continue;
                 }
@@ -874,6 +879,17 @@ impl Runner {
             .await;
         }
 
+        // With the out-of-service taint, podgc need not wait for pods to be
+        // evicted by their NoExecute tolerations (300 s by default): the taint
+        // it adds with the quarantine is tolerated by nothing by default, so
+        // the node's stateful pods are evicted at once and force-deleted on
+        // the next pass. Without it, podgc only acts on pods already terminating.
+        if selected.is_empty() && safe_running > 0 && self.cfg.out_of_service_taint {
+            if self.ensure_quarantine(node, &why).await? {
+                s.quarantined_now.push(node.to_string());
+                tracing::warn!(node, pods = safe_running, "quarantined with the out-of-service taint so its stateful pods are evicted now");
+            }
+        }
         if !selected.is_empty() {
             if self.ensure_quarantine(node, &why).await? {
                 s.quarantined_now.push(node.to_string());

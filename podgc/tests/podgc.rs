@@ -876,3 +876,41 @@ async fn metrics_and_healthz_are_served() {
     server.await.unwrap().unwrap();
     h.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_service_taint_evicts_running_stateful_pods_without_waiting_for_tolerations() {
+    // Pods keep running on a dead node for their NoExecute toleration (300 s by
+    // default). With --out-of-service-taint podgc quarantines at once, and the
+    // taint evicts them now; without it, podgc waits for them to terminate.
+    for oos in [false, true] {
+        let c = cluster(&["n1", "n2"]).await;
+        let (_p, _va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
+        let h = PodGc::new(
+            c.clone(),
+            PodGcConfig {
+                out_of_service_taint: oos,
+                ..cfg()
+            },
+        )
+        .spawn();
+        set_ready(&c, "n1", "Unknown", Duration::from_secs(10)).await;
+        passes(&h, 3).await;
+        let n = c.api::<Node>(None).get("n1").await.unwrap();
+        assert_eq!(
+            has_taint(&n, QUARANTINE_TAINT_KEY),
+            oos,
+            "quarantine with out_of_service_taint={oos}"
+        );
+        assert_eq!(
+            has_taint(&n, OUT_OF_SERVICE_TAINT_KEY),
+            oos,
+            "out-of-service taint with out_of_service_taint={oos}"
+        );
+        let pod = c.api::<Pod>(Some(NS)).get("db-0").await.unwrap();
+        assert!(
+            pod.metadata.deletion_timestamp.is_none(),
+            "podgc itself never deletes a running pod"
+        );
+        h.shutdown().await;
+    }
+}

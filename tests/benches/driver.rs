@@ -24,7 +24,14 @@ async fn main() {
     let env = Env::new();
     // FENCECSI_BENCH_LOOP_DIO=1 measures loop devices in direct-I/O mode.
     let loop_dio = std::env::var("FENCECSI_BENCH_LOOP_DIO").is_ok_and(|v| v == "1");
-    println!("loop devices: {}\n", if loop_dio { "direct I/O (--direct-io=true)" } else { "buffered (default)" });
+    println!(
+        "loop devices: {}\n",
+        if loop_dio {
+            "direct I/O (--direct-io=true)"
+        } else {
+            "buffered (default)"
+        }
+    );
     let rig = Rig::start_with(&env, &["node-a"], |c| c.direct_io = loop_dio).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let mut node = rig.node("node-a");
