@@ -62,6 +62,13 @@ fn now() -> Time {
     Time(Timestamp::now())
 }
 
+/// Which half of the VolumeAttachment's life an error belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Attach,
+    Detach,
+}
+
 impl Ctx {
     pub(crate) fn caps(&self) -> Capabilities {
         *self.caps.read().unwrap_or_else(|e| e.into_inner())
@@ -208,16 +215,16 @@ impl Ctx {
 
         let (pv_name, vol) = match self.volume_of(&va).await {
             Ok(v) => v,
-            Err(e) => return self.attach_failed(&va, e, None).await,
+            Err(e) => return self.failed(&va, Op::Attach, e, None).await,
         };
         if let Some(pv) = &pv_name {
             if let Err(e) = self.add_pv_finalizer(pv).await {
-                return self.attach_failed(&va, e, None).await;
+                return self.failed(&va, Op::Attach, e, None).await;
             }
         }
         let node_id = match self.node_id(&node).await {
             Ok(id) => id,
-            Err(e) => return self.attach_failed(&va, e, None).await,
+            Err(e) => return self.failed(&va, Op::Attach, e, None).await,
         };
         let annotated = va
             .metadata
@@ -307,32 +314,42 @@ impl Ctx {
                     code_name(s.code()),
                     s.message()
                 );
-                self.attach_failed(&va, msg, Some(s.code())).await
+                self.failed(&va, Op::Attach, msg, Some(s.code())).await
             }
         }
     }
 
-    async fn attach_failed(
+    /// Records a failed attach or detach in the VolumeAttachment's status
+    /// (attachError / detachError) and, unless it repeats the last error, as
+    /// a Warning event; returns the error so the queue backs off.
+    async fn failed(
         &self,
         va: &VolumeAttachment,
+        op: Op,
         msg: String,
         code: Option<Code>,
     ) -> Result<(), String> {
-        let repeated = va
-            .status
-            .as_ref()
-            .and_then(|s| s.attach_error.as_ref())
-            .and_then(|e| e.message.as_deref())
-            == Some(msg.as_str());
+        let last = va.status.as_ref().and_then(|s| match op {
+            Op::Attach => s.attach_error.as_ref(),
+            Op::Detach => s.detach_error.as_ref(),
+        });
+        let repeated = last.and_then(|e| e.message.as_deref()) == Some(msg.as_str());
         let err = Self::volume_error(&msg, code);
         if let Err(e) = self
-            .set_status(va, |s| s.attach_error = Some(err.clone()))
+            .set_status(va, |s| match op {
+                Op::Attach => s.attach_error = Some(err.clone()),
+                Op::Detach => s.detach_error = Some(err.clone()),
+            })
             .await
         {
-            tracing::warn!(error = %e, "recording attachError failed");
+            tracing::warn!(error = %e, ?op, "recording the error in the VolumeAttachment status failed");
         }
         if !repeated {
-            self.event(va, EventType::Warning, REASON_ATTACH_FAILED, msg.clone());
+            let reason = match op {
+                Op::Attach => REASON_ATTACH_FAILED,
+                Op::Detach => REASON_DETACH_FAILED,
+            };
+            self.event(va, EventType::Warning, reason, msg.clone());
         }
         Err(msg)
     }
@@ -349,7 +366,7 @@ impl Ctx {
         if caps.publish_unpublish {
             let (_, vol) = match self.volume_of(&va).await {
                 Ok(v) => v,
-                Err(e) => return self.detach_failed(&va, e, None).await,
+                Err(e) => return self.failed(&va, Op::Detach, e, None).await,
             };
             let recorded = va
                 .metadata
@@ -362,12 +379,12 @@ impl Ctx {
                 Some(id) => id,
                 None => match self.node_id(&node).await {
                     Ok(id) => id,
-                    Err(e) => return self.detach_failed(&va, e, None).await,
+                    Err(e) => return self.failed(&va, Op::Detach, e, None).await,
                 },
             };
             let (fence, why) = match self.fence_decision(&node, &vol.handle, caps).await {
                 Ok(d) => d,
-                Err(e) => return self.detach_failed(&va, e, None).await,
+                Err(e) => return self.failed(&va, Op::Detach, e, None).await,
             };
             if !(self.may_act)() {
                 return Err("not the active attacher any more".into());
@@ -396,7 +413,7 @@ impl Ctx {
                         code_name(s.code()),
                         s.message()
                     );
-                    return self.detach_failed(&va, msg, Some(s.code())).await;
+                    return self.failed(&va, Op::Detach, msg, Some(s.code())).await;
                 }
             }
             let took = start.elapsed();
@@ -461,31 +478,6 @@ impl Ctx {
             }
         }
         Ok(())
-    }
-
-    async fn detach_failed(
-        &self,
-        va: &VolumeAttachment,
-        msg: String,
-        code: Option<Code>,
-    ) -> Result<(), String> {
-        let repeated = va
-            .status
-            .as_ref()
-            .and_then(|s| s.detach_error.as_ref())
-            .and_then(|e| e.message.as_deref())
-            == Some(msg.as_str());
-        let err = Self::volume_error(&msg, code);
-        if let Err(e) = self
-            .set_status(va, |s| s.detach_error = Some(err.clone()))
-            .await
-        {
-            tracing::warn!(error = %e, "recording detachError failed");
-        }
-        if !repeated {
-            self.event(va, EventType::Warning, REASON_DETACH_FAILED, msg.clone());
-        }
-        Err(msg)
     }
 
     /// Whether to send `fence = true`, and why.
