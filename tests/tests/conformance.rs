@@ -360,6 +360,26 @@ async fn identity_info_capabilities_probe() {
     env.assert_clean();
 }
 
+/// The RPC types a controller advertises (every capability must be an RPC one).
+fn ctl_types(caps: &[csi::ControllerServiceCapability]) -> BTreeSet<i32> {
+    caps.iter()
+        .map(|c| match &c.r#type {
+            Some(csi::controller_service_capability::Type::Rpc(r)) => r.r#type,
+            other => panic!("unexpected capability {other:?}"),
+        })
+        .collect()
+}
+
+/// The RPC types a node advertises.
+fn node_types(caps: &[csi::NodeServiceCapability]) -> BTreeSet<i32> {
+    caps.iter()
+        .map(|c| match &c.r#type {
+            Some(csi::node_service_capability::Type::Rpc(r)) => r.r#type,
+            other => panic!("unexpected capability {other:?}"),
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_and_node_capabilities_and_node_info() {
     require_root!();
@@ -370,54 +390,39 @@ async fn controller_and_node_capabilities_and_node_info() {
     assert_eq!(NodeRpc::ForceUnpublish as i32, 1000);
     // A standard caller sees only standard capabilities (conformance suites
     // reject unknown values); a caller that asks for the extensions sees them.
-    let plain: Vec<i32> = c
-        .controller
-        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities
-        .iter()
-        .filter_map(|c| match &c.r#type {
-            Some(csi::controller_service_capability::Type::Rpc(r)) => Some(r.r#type),
-            _ => None,
-        })
-        .collect();
+    let plain = ctl_types(
+        &c.controller
+            .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities,
+    );
     assert!(
         plain.iter().all(|t| *t < 1000),
         "standard caller saw an extension: {plain:?}"
     );
-    let plain_node: Vec<i32> = c
-        .node
-        .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities
-        .iter()
-        .filter_map(|c| match &c.r#type {
-            Some(csi::node_service_capability::Type::Rpc(r)) => Some(r.r#type),
-            _ => None,
-        })
-        .collect();
+    let plain_node = node_types(
+        &c.node
+            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities,
+    );
     assert!(
         plain_node.iter().all(|t| *t < 1000),
         "standard caller saw an extension: {plain_node:?}"
     );
 
-    let ctl: BTreeSet<i32> = c
-        .controller
-        .controller_get_capabilities(with_extensions(csi::ControllerGetCapabilitiesRequest {}))
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities
-        .iter()
-        .map(|c| match &c.r#type {
-            Some(csi::controller_service_capability::Type::Rpc(r)) => r.r#type,
-            other => panic!("unexpected capability {other:?}"),
-        })
-        .collect();
+    let ctl = ctl_types(
+        &c.controller
+            .controller_get_capabilities(with_extensions(csi::ControllerGetCapabilitiesRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities,
+    );
     for want in [
         CtlRpc::CreateDeleteVolume,
         CtlRpc::PublishUnpublishVolume,
@@ -447,19 +452,14 @@ async fn controller_and_node_capabilities_and_node_info() {
         Code::Unimplemented
     );
 
-    let node: BTreeSet<i32> = c
-        .node
-        .node_get_capabilities(with_extensions(csi::NodeGetCapabilitiesRequest {}))
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities
-        .iter()
-        .map(|c| match &c.r#type {
-            Some(csi::node_service_capability::Type::Rpc(r)) => r.r#type,
-            other => panic!("unexpected capability {other:?}"),
-        })
-        .collect();
+    let node = node_types(
+        &c.node
+            .node_get_capabilities(with_extensions(csi::NodeGetCapabilitiesRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities,
+    );
     for want in [
         NodeRpc::StageUnstageVolume,
         NodeRpc::GetVolumeStats,

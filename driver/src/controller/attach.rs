@@ -241,7 +241,28 @@ impl Controller {
     /// matching quarantines. Safe to run at any time; skips busy volumes.
     pub fn collect_garbage(&self) -> usize {
         let mut removed = 0;
-        for meta in self.store.volumes() {
+        // One scan of the loop devices per pass, and none when nothing is
+        // fenced. A generation that looks released is checked again fresh
+        // before anything is lifted or deleted (remove_generation re-checks too).
+        let pending = |v: &VolumeMeta| {
+            !v.quarantined.is_empty() || v.generations.values().any(|g| g.fenced_at.is_some())
+        };
+        let volumes: Vec<VolumeMeta> = self.store.volumes().into_iter().filter(pending).collect();
+        if volumes.is_empty() {
+            return 0;
+        }
+        let snapshot = match self.backend.holder_snapshot() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list holders; garbage collection skipped");
+                return 0;
+            }
+        };
+        let released = |id: &VolumeId, gen: u64| {
+            self.backend.holders_in(&snapshot, id, gen).is_empty()
+                && self.backend.holders(id, gen).is_ok_and(|h| h.is_empty())
+        };
+        for meta in volumes {
             let id = meta.volume_id();
             let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
                 continue;
@@ -257,13 +278,8 @@ impl Controller {
                 .collect();
             let mut changed = false;
             for gen in candidates {
-                match self.backend.holders(&id, gen) {
-                    Ok(h) if h.is_empty() => {}
-                    Ok(_) => continue,
-                    Err(e) => {
-                        tracing::warn!(volume = %id, generation = gen, error = %e, "cannot inspect fenced generation");
-                        continue;
-                    }
+                if !released(&id, gen) {
+                    continue;
                 }
                 if let Err(e) = self.backend.remove_generation(&id, gen) {
                     tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
@@ -280,7 +296,7 @@ impl Controller {
             let released: Vec<String> = v
                 .quarantined
                 .iter()
-                .filter(|(_, g)| self.backend.holders(&id, **g).is_ok_and(|h| h.is_empty()))
+                .filter(|(_, g)| released(&id, **g))
                 .map(|(n, _)| n.clone())
                 .collect();
             for node in released {
