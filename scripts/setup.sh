@@ -1,23 +1,63 @@
 #!/usr/bin/env bash
 # Installs what fencecsi's drill and tests need on a fresh Debian/Ubuntu
-# machine: filesystem tools and the loop driver. Safe to run again.
+# machine: filesystem tools (ext4, xfs, btrfs: the fence is tested on each
+# as a backing filesystem) and the loop driver. Safe to run again; says what
+# it does, waits (bounded) for another apt to finish, retries once, and
+# shows apt's own error when it fails.
 set -euo pipefail
+
+say() { echo "setup: $*" >&2; }
 
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
-    echo "setup: $* needs root (run as root or install sudo)" >&2; exit 1; fi
+    say "$* needs root (run as root or install sudo)"; exit 1; fi
+}
+
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
+
+# Waits up to APT_LOCK_WAIT seconds (default 300) for another apt/dpkg.
+wait_for_apt() {
+  local waited=0 limit="${APT_LOCK_WAIT:-300}"
+  while fuser /var/lib/dpkg/lock-frontend /var/lib/dpkg/lock /var/lib/apt/lists/lock >/dev/null 2>&1; do
+    if [ "$waited" -eq 0 ]; then say "another apt/dpkg process holds the package lock; waiting up to ${limit}s"; fi
+    if [ "$waited" -ge "$limit" ]; then say "still locked after ${limit}s; giving up"; return 1; fi
+    sleep 2; waited=$((waited + 2))
+  done
+}
+
+# Runs an apt command with its output in a log; on failure waits for the
+# lock, retries once, then prints the log's tail.
+apt_run() {
+  local log; log=$(mktemp)
+  for attempt in 1 2; do
+    wait_for_apt || true
+    if as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 "$@" >"$log" 2>&1; then
+      rm -f "$log"; return 0
+    fi
+    if [ "$attempt" -eq 1 ]; then say "apt-get $1 failed; retrying once"; sleep 3; fi
+  done
+  say "apt-get $* failed; its output:"
+  tail -n 30 "$log" >&2
+  rm -f "$log"
+  return 1
 }
 
 need=()
-command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || need+=(e2fsprogs)
-command -v mkfs.xfs >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.xfs ] || need+=(xfsprogs)
-command -v losetup >/dev/null 2>&1 || [ -x /usr/sbin/losetup ] || need+=(util-linux)
-command -v filefrag >/dev/null 2>&1 || [ -x /usr/sbin/filefrag ] || need+=(e2fsprogs)
+have mkfs.ext4 || need+=(e2fsprogs)
+have filefrag || need+=(e2fsprogs)
+have mkfs.xfs || need+=(xfsprogs)
+have mkfs.btrfs || need+=(btrfs-progs)
+have losetup || need+=(util-linux)
+have fuser || need+=(psmisc)
 if [ "${#need[@]}" -gt 0 ]; then
-  echo "setup: installing ${need[*]}"
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  mapfile -t need < <(printf '%s\n' "${need[@]}" | sort -u)
+  say "installing ${need[*]} (apt-get update, then install; about a minute)"
+  apt_run update
+  apt_run install -y --no-install-recommends "${need[@]}"
+  say "installed ${need[*]}"
+else
+  say "filesystem tools present (ext4, xfs, btrfs, util-linux)"
 fi
 [ -e /dev/loop-control ] || as_root modprobe loop || {
-  echo "setup: /dev/loop-control is missing and the loop module could not be loaded" >&2; exit 1; }
-command -v cargo >/dev/null || { echo "setup: cargo (Rust toolchain) is required" >&2; exit 1; }
+  say "/dev/loop-control is missing and the loop module could not be loaded"; exit 1; }
+command -v cargo >/dev/null || { say "cargo (Rust toolchain) is required"; exit 1; }

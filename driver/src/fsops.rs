@@ -91,10 +91,12 @@ pub fn grow(path: &Path, size: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Clones `src` into a new file `dst`: a reflink where the filesystem can,
-/// else a copy of the data ranges only. `dst` is written under a temporary
-/// name and renamed into place, so a crash never leaves a half copy at `dst`.
-pub fn clone_file(src: &Path, dst: &Path) -> io::Result<CloneKind> {
+/// Clones the first `data_len` bytes of `src` into a new file `dst` of
+/// `final_len` bytes (anything past `data_len` reads as zeros): a reflink
+/// where the filesystem can, else a copy of the data ranges only. `dst` is
+/// written under a temporary name and renamed into place, so a crash never
+/// leaves a half copy at `dst`.
+pub fn clone_file(src: &Path, dst: &Path, data_len: u64, final_len: u64) -> io::Result<CloneKind> {
     let tmp = dst.with_extension("partial");
     let _ = std::fs::remove_file(&tmp);
     let source = File::open(src)?;
@@ -114,11 +116,14 @@ pub fn clone_file(src: &Path, dst: &Path) -> io::Result<CloneKind> {
                 | nix::errno::Errno::EINVAL
                 | nix::errno::Errno::ENOTTY,
             ) => {
-                sparse_copy(&source, &target)?;
+                sparse_copy(&source, &target, data_len)?;
                 CloneKind::SparseCopy
             }
             Err(e) => return Err(io::Error::from(e)),
         };
+        // Whatever lay past the data (a fence trailer) is not copied: cut, then extend.
+        target.set_len(data_len)?;
+        target.set_len(final_len)?;
         target.sync_all()?;
         Ok(kind)
     })();
@@ -135,9 +140,26 @@ pub fn clone_file(src: &Path, dst: &Path) -> io::Result<CloneKind> {
     }
 }
 
+/// Whether `dir`'s filesystem makes reflink clones (tried on a scratch file).
+pub fn can_reflink(dir: &Path) -> bool {
+    let a = dir.join(format!(".reflink-probe-{}", std::process::id()));
+    let b = a.with_extension("clone");
+    let ok = (|| -> io::Result<bool> {
+        let src = File::create(&a)?;
+        src.set_len(4096)?;
+        let dst = File::create(&b)?;
+        // SAFETY: both fds valid for the call.
+        Ok(unsafe { ficlone(dst.as_raw_fd(), src.as_raw_fd() as libc::c_ulong) }.is_ok())
+    })()
+    .unwrap_or(false);
+    let _ = std::fs::remove_file(&a);
+    let _ = std::fs::remove_file(&b);
+    ok
+}
+
 /// Copies only the data extents (SEEK_DATA/SEEK_HOLE), keeping holes.
-fn sparse_copy(src: &File, dst: &File) -> io::Result<()> {
-    let len = src.metadata()?.len();
+fn sparse_copy(src: &File, dst: &File, limit: u64) -> io::Result<()> {
+    let len = src.metadata()?.len().min(limit);
     dst.set_len(len)?;
     let (sfd, dfd) = (src.as_raw_fd(), dst.as_raw_fd());
     let mut pos: i64 = 0;
@@ -151,11 +173,15 @@ fn sparse_copy(src: &File, dst: &File) -> io::Result<()> {
             }
             return Err(err);
         }
+        if data as u64 >= len {
+            break;
+        }
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(sfd, data, libc::SEEK_HOLE) };
         if hole < 0 {
             return Err(io::Error::last_os_error());
         }
+        let hole = hole.min(len as i64);
         let mut off_in = data;
         let mut off_out = data;
         while off_in < hole {
@@ -247,7 +273,7 @@ mod tests {
         f.write_all(b"tail").unwrap();
         f.sync_all().unwrap();
         let dst = dir.path().join("b.img");
-        clone_file(&src, &dst).unwrap();
+        clone_file(&src, &dst, 64 << 20, 64 << 20).unwrap();
         assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
         // Holes stay holes: far less than the 64 MiB apparent size is allocated.
         assert!(
@@ -256,6 +282,18 @@ mod tests {
             allocated_bytes(&dst).unwrap()
         );
         assert!(!dir.path().join("b.partial").exists());
+
+        // Only the data region is copied: bytes past it (a fence trailer)
+        // are not, and the copy is extended with zeros.
+        let cut = dir.path().join("c.img");
+        clone_file(&src, &cut, 40 << 20, 48 << 20).unwrap();
+        let c = std::fs::read(&cut).unwrap();
+        assert_eq!(c.len(), 48 << 20);
+        assert_eq!(&c[10 << 20..(10 << 20) + 8192], &[0xabu8; 8192][..]);
+        assert!(
+            c[40 << 20..].iter().all(|b| *b == 0),
+            "the tail past the data was copied"
+        );
     }
 
     #[test]

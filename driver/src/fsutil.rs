@@ -236,18 +236,32 @@ pub fn mkfs(device: &Path, kind: &str) -> Result<(), FsError> {
             let opts = OsStr::new("nodiscard,lazy_itable_init=1,lazy_journal_init=1");
             run(
                 "mkfs.ext4",
+                // 4 KiB blocks always: mkfs would pick 1 KiB for small
+                // volumes, which a loop device doing direct I/O on a backing
+                // filesystem with 4 KiB sectors (4 KiB logical blocks) cannot
+                // mount ("bad block size") after the next attach.
                 &[
                     OsStr::new("-F"),
                     OsStr::new("-q"),
+                    OsStr::new("-b"),
+                    OsStr::new("4096"),
                     OsStr::new("-E"),
                     opts,
                     dev,
                 ],
             )
         }
+        // 4 KiB sectors for the same reason as ext4's 4 KiB blocks.
         "xfs" => run(
             "mkfs.xfs",
-            &[OsStr::new("-f"), OsStr::new("-q"), OsStr::new("-K"), dev],
+            &[
+                OsStr::new("-f"),
+                OsStr::new("-q"),
+                OsStr::new("-K"),
+                OsStr::new("-s"),
+                OsStr::new("size=4096"),
+                dev,
+            ],
         ),
         other => Err(FsError::Unsupported(other.to_string())),
     }

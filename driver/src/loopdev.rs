@@ -153,6 +153,10 @@ pub struct LoopInfo {
     pub direct_io: bool,
     pub autoclear: bool,
     pub size_bytes: u64,
+    /// Where the device's window starts in the backing file (lo_offset).
+    pub offset: u64,
+    /// The window's length limit (lo_sizelimit; 0: up to the end of the file).
+    pub size_limit: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -163,6 +167,9 @@ pub struct AttachOptions {
     pub direct_io: bool,
     /// Stored in lo_file_name; at most 63 bytes, no NUL.
     pub tag: String,
+    /// lo_sizelimit: the device shows only `[0, size_limit)` of the file
+    /// (0: the whole file). Volumes use it to keep their fence trailer out.
+    pub size_limit: u64,
 }
 
 fn device_path(number: u32) -> PathBuf {
@@ -266,7 +273,13 @@ fn fill_name(info: &mut LoopInfo64, tag: &str) {
 }
 
 /// Atomic bind + configure (Linux >= 5.8).
-fn configure(dev: &File, backing: &File, flags: u32, tag: &str) -> Result<(), Errno> {
+fn configure(
+    dev: &File,
+    backing: &File,
+    flags: u32,
+    tag: &str,
+    size_limit: u64,
+) -> Result<(), Errno> {
     let mut cfg = LoopConfig {
         fd: backing.as_raw_fd() as u32,
         block_size: 0,
@@ -275,15 +288,23 @@ fn configure(dev: &File, backing: &File, flags: u32, tag: &str) -> Result<(), Er
     };
     // block_size 0: keep the kernel's default logical block size.
     cfg.info.lo_flags = flags;
+    cfg.info.lo_sizelimit = size_limit;
     fill_name(&mut cfg.info, tag);
     unsafe { ioc::loop_configure(dev.as_raw_fd(), &cfg) }.map(drop)
 }
 
 /// Pre-5.8 path: bind, then set the name. Not atomic: if the second step
 /// fails, the device is unbound again so nothing half-made stays behind.
-fn legacy_bind(dev: &File, dev_path: &Path, backing: &File, tag: &str) -> Result<(), Errno> {
+fn legacy_bind(
+    dev: &File,
+    dev_path: &Path,
+    backing: &File,
+    tag: &str,
+    size_limit: u64,
+) -> Result<(), Errno> {
     unsafe { ioc::loop_set_fd(dev.as_raw_fd(), backing.as_raw_fd()) }?;
     let mut info = LoopInfo64::zeroed();
+    info.lo_sizelimit = size_limit;
     fill_name(&mut info, tag);
     if let Err(e) = unsafe { ioc::loop_set_status64(dev.as_raw_fd(), &info) } {
         if let Err(e2) = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) } {
@@ -358,9 +379,9 @@ fn attach_inner(
             if want_dio {
                 flags |= LO_FLAGS_DIRECT_IO;
             }
-            configure(&dev, &backing, flags, &opts.tag)
+            configure(&dev, &backing, flags, &opts.tag, opts.size_limit)
         } else {
-            legacy_bind(&dev, &dev_path, &backing, &opts.tag)
+            legacy_bind(&dev, &dev_path, &backing, &opts.tag, opts.size_limit)
         };
         match res {
             Ok(()) => {
@@ -417,6 +438,13 @@ fn attach_inner(
 /// file stays held until then. Check `status()` if that matters.
 pub fn detach(device: &Path) -> Result<(), LoopError> {
     let dev = open_loop(device, false)?;
+    // Serialised with a fence's remap of this device (see `remap`), which
+    // would otherwise overwrite the autoclear flag this call may set.
+    let _guard = match get_status_raw(&dev, device) {
+        Ok(raw) => BackingLock::exclusive_for(raw.lo_number, raw.lo_device, raw.lo_inode),
+        Err(LoopError::NotBound(_)) => None,
+        Err(e) => return Err(e),
+    };
     match unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) } {
         Ok(_) | Err(Errno::ENXIO) => {
             tracing::info!(device = %device.display(), "loop device detached");
@@ -447,6 +475,8 @@ pub fn status(device: &Path) -> Result<LoopInfo, LoopError> {
         direct_io,
         autoclear: raw.lo_flags & LO_FLAGS_AUTOCLEAR != 0,
         size_bytes,
+        offset: raw.lo_offset,
+        size_limit: raw.lo_sizelimit,
     })
 }
 
@@ -511,21 +541,76 @@ pub fn set_capacity(device: &Path) -> Result<u64, LoopError> {
     blkgetsize64(&dev).map_err(|e| LoopError::ioctl("BLKGETSIZE64", device, e))
 }
 
-/// Barrier: returns after every request already inside the loop device
-/// (buffered or async direct I/O) has completed against the backing file.
+/// Changes the window a bound device shows of its backing file, keeping
+/// every other setting (flags as read just now, name, encryption fields).
 ///
-/// LOOP_SET_STATUS64 freezes the request queue, which waits for in-flight
-/// requests, and the device's own status is written back, so no setting
-/// changes. Requests still above the block layer (page cache, plugs) are not
-/// covered. Callers must not run detach concurrently on the same device: a
-/// LOOP_CLR_FD landing between our read and write would lose its autoclear.
-pub fn drain(device: &Path) -> Result<(), LoopError> {
+/// LOOP_SET_STATUS64 freezes the device's request queue (waiting for the
+/// requests already submitted, buffered or async direct I/O), applies the
+/// new offset and size limit, sets the new capacity and unfreezes. So when
+/// this returns, every request that will ever run again sees the new window.
+/// With the same window it is a pure barrier.
+///
+/// The kernel rewrites the autoclear flag from what we pass, so a
+/// concurrent LOOP_CLR_FD (which sets autoclear on a busy device) could be
+/// lost between our read and our write: callers hold [`BackingLock`] on the
+/// backing file, and `detach` takes the same lock.
+pub fn remap(device: &Path, offset: u64, size_limit: u64) -> Result<LoopInfo, LoopError> {
     let dev = open_loop(device, false)?;
-    let info = get_status_raw(&dev, device)?;
+    let mut info = get_status_raw(&dev, device)?;
+    info.lo_offset = offset;
+    info.lo_sizelimit = size_limit;
     match unsafe { ioc::loop_set_status64(dev.as_raw_fd(), &info) } {
-        Ok(_) => Ok(()),
-        Err(Errno::ENXIO) => Err(LoopError::NotBound(device.to_path_buf())),
-        Err(e) => Err(LoopError::ioctl("LOOP_SET_STATUS64", device, e)),
+        Ok(_) => {}
+        Err(Errno::ENXIO) => return Err(LoopError::NotBound(device.to_path_buf())),
+        Err(e) => return Err(LoopError::ioctl("LOOP_SET_STATUS64", device, e)),
+    }
+    status(device)
+}
+
+/// A barrier on one device: see [`remap`] (same window).
+pub fn drain(device: &Path) -> Result<(), LoopError> {
+    let now = status(device)?;
+    remap(device, now.offset, now.size_limit).map(drop)
+}
+
+/// An advisory `flock` on a loop device's backing file, the one lock the
+/// fence (controller) and node teardown (node plugins) share: they run in
+/// different processes but always on the same kernel and the same inode.
+/// Found through sysfs' backing_file and checked by device and inode, so a
+/// renamed or replaced path is never locked by mistake.
+pub struct BackingLock {
+    _file: File,
+}
+
+impl BackingLock {
+    /// Locks `path` (shared or exclusive), waiting for the other side.
+    pub fn on_path(path: &Path, exclusive: bool) -> io::Result<BackingLock> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(path)?;
+        let op = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(BackingLock { _file: file })
+    }
+
+    /// Exclusive lock on the backing file of loop device `number`, if that
+    /// file can still be reached at the path sysfs reports.
+    fn exclusive_for(number: u32, dev: u64, ino: u64) -> Option<BackingLock> {
+        let raw = std::fs::read_to_string(sys_loop_dir(number).join("loop/backing_file")).ok()?;
+        let path = PathBuf::from(raw.trim_end_matches('\n'));
+        let meta = std::fs::metadata(&path).ok()?;
+        if meta.dev() != dev || meta.ino() != ino {
+            return None;
+        }
+        BackingLock::on_path(&path, true).ok()
     }
 }
 
@@ -651,6 +736,7 @@ mod tests {
                 read_only: true,
                 direct_io: false,
                 tag: tag.clone(),
+                size_limit: 0,
             },
         );
         let info = status(guard.path()).unwrap();
@@ -764,6 +850,7 @@ mod tests {
             read_only: true,
             direct_io: true,
             tag: tag.clone(),
+            size_limit: 0,
         };
         let g = LoopGuard(attach_inner(&img, &opts, false).unwrap());
         let st = status(g.path()).unwrap();

@@ -25,6 +25,7 @@ fn backend(outer: &Env, kind: &str) -> std::path::PathBuf {
             read_only: false,
             direct_io: false,
             tag: format!("bench-backend-{kind}"),
+            size_limit: 0,
         },
     )
     .unwrap();

@@ -430,11 +430,18 @@ pub use fencecsi_proto::v1::volume_capability::access_mode::Mode as Access;
 /// report extents (ext4 reports unwritten extents by page-cache state), and an
 /// empty 16 GiB image hashes in microseconds.
 pub fn sparse_hash(path: &Path) -> String {
+    region_hash(path, u64::MAX)
+}
+
+/// [`sparse_hash`] of the first `limit` bytes only: a generation's data
+/// region, without the fence trailer behind it (which a racing request may
+/// reach by design).
+pub fn region_hash(path: &Path, limit: u64) -> String {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     const CHUNK: u64 = 64 << 10;
     let f = std::fs::File::open(path).expect("opening image to hash");
-    let len = f.metadata().unwrap().len();
+    let len = f.metadata().unwrap().len().min(limit);
     let fd = f.as_raw_fd();
     let mut h = Sha256::new();
     h.update(len.to_le_bytes());
@@ -448,7 +455,10 @@ pub fn sparse_hash(path: &Path) -> String {
             break;
         }
         // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) } as u64;
+        let hole = (unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) } as u64).min(len);
+        if data as u64 >= len {
+            break;
+        }
         let first = (data as u64 / CHUNK).max(next_chunk);
         let last = hole.div_ceil(CHUNK);
         for idx in first..last {
@@ -472,4 +482,48 @@ pub fn generation_path(env: &Env, volume_id: &str, gen: u64) -> PathBuf {
         .join("volumes")
         .join(volume_id)
         .join(format!("gen-{gen:06}.img"))
+}
+
+/// CLOCK_MONOTONIC in ns (what the writer stamps its acknowledgements with).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Makes a `kind` (ext4, xfs, btrfs) filesystem on a loop device over a
+/// sparse image in `outer` and mounts it: a backing filesystem for a state
+/// dir. The outer env's teardown unmounts and detaches it, failing or not.
+pub fn backing_fs(outer: &Env, kind: &str, size: u64) -> PathBuf {
+    use fencecsi_driver::loopdev::{self, AttachOptions};
+    let img = outer.path().join(format!("{kind}-backing.img"));
+    fencecsi_driver::fsops::create_sparse(&img, size).unwrap();
+    let lo = loopdev::attach(
+        &img,
+        &AttachOptions {
+            read_only: false,
+            direct_io: false,
+            tag: format!("fcsi-test-backing-{kind}"),
+            size_limit: 0,
+        },
+    )
+    .unwrap();
+    if kind == "btrfs" {
+        let st = std::process::Command::new("mkfs.btrfs")
+            .args(["-f", "-q"])
+            .arg(&lo.device)
+            .status()
+            .expect("mkfs.btrfs (btrfs-progs) runs");
+        assert!(st.success(), "mkfs.btrfs failed");
+    } else {
+        fencecsi_driver::fsutil::mkfs(&lo.device, kind).unwrap();
+    }
+    let mnt = outer.path().join(format!("{kind}-backing"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    fencecsi_driver::mounts::mount_device(&lo.device, &mnt, kind, &[], false).unwrap();
+    mnt
 }

@@ -884,7 +884,10 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
         Code::InvalidArgument,
         "snapshot parameter"
     );
-    assert_eq!(std::fs::metadata(&img).unwrap().len() as i64, 16 * MIB);
+    assert_eq!(
+        std::fs::metadata(&img).unwrap().len() as i64,
+        16 * MIB + fencecsi_driver::fence::TRAILER_BYTES as i64
+    );
     assert_same(&before, &world(&env, &[]), "refused capabilities and sizes");
     assert!(env.loops().is_empty() && env.mounts().is_empty());
 

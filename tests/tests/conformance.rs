@@ -7,6 +7,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+/// Bytes every image carries behind the volume data (the fence window).
+const TRAILER: i64 = fencecsi_driver::fence::TRAILER_BYTES as i64;
+
 use fencecsi_driver::config::{Mode, DEFAULT_DRIVER_NAME};
 use fencecsi_driver::controller::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY, TOPOLOGY_KEY};
 use fencecsi_driver::mounts;
@@ -601,7 +604,11 @@ async fn create_volume_capacity_ranges() {
         }
         // The image is exactly that big, and sparse.
         let img = std::fs::metadata(image_path(&env, &vol.volume_id, 1)).unwrap();
-        assert_eq!(img.len() as i64, got, "{name}: image size");
+        assert_eq!(
+            img.len() as i64,
+            got + TRAILER,
+            "{name}: image size (data + fence trailer)"
+        );
         assert!(
             img.blocks() * 512 < MIB as u64,
             "{name}: image must be sparse"
@@ -938,7 +945,10 @@ async fn snapshots_and_clones_carry_the_data() {
             "{name}: content_source echoed"
         );
         let img = image_path(&env, &vol.volume_id, 1);
-        assert_eq!(std::fs::metadata(&img).unwrap().len() as i64, size);
+        assert_eq!(
+            std::fs::metadata(&img).unwrap().len() as i64,
+            size + TRAILER
+        );
         assert_ne!(
             std::fs::metadata(&img).unwrap().ino(),
             std::fs::metadata(image_path(&env, &sid, 1)).unwrap().ino()
@@ -1740,7 +1750,7 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
     assert!(r.node_expansion_required);
     assert_eq!(
         std::fs::metadata(image_path(&env, &id, 1)).unwrap().len() as i64,
-        to
+        to + TRAILER
     );
     // Idempotent, and never shrinks.
     let again = c

@@ -25,12 +25,155 @@ async fn volume_status(rig: &Rig, vol: &str) -> csi::controller_get_volume_respo
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
+async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    // A controller whose start-up probe could not prove the fence on its
+    // state dir (simulated by a failpoint) must not advertise it, must
+    // refuse a fence request saying why, and must change nothing.
+    let cfg = env.config(Mode::Controller, None, "weak-controller");
+    let mut child = Command::new(fencecsi_tests::driver_binary())
+        .env(fencecsi_driver::failpoint::ENV, "fence-probe:fail")
+        .args(["--mode", "controller", "--endpoint", &cfg.endpoint])
+        .arg("--state-dir")
+        .arg(&cfg.state_dir)
+        .arg("--kubelet-dir")
+        .arg(&cfg.kubelet_dir)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("the driver runs");
+    let mut ctl = wait_for_socket(&cfg.socket_path().unwrap()).await;
+    let mut ask = tonic::Request::new(csi::ControllerGetCapabilitiesRequest {});
+    ask.metadata_mut()
+        .insert("x-fencecsi-extensions", "1".parse().unwrap());
+    let caps = ctl
+        .controller
+        .controller_get_capabilities(ask)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        !format!("{caps:?}").contains("UnpublishFence") && !format!("{caps:?}").contains("1000"),
+        "a fence the probe could not prove is not advertised: {caps:?}"
+    );
+    let (node_plugin, mut node) =
+        fencecsi_tests::InProcess::start(env.config(Mode::Node, Some("node-a"), "node-a")).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = ctl
+        .controller
+        .create_volume(csi::CreateVolumeRequest {
+            name: "weak".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 64 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let ctx = ctl
+        .controller
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    let staging = env.staging_path("node-a", &vol.volume_id);
+    node.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            publish_context: ctx,
+            staging_target_path: staging.to_string_lossy().into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let err = ctl
+        .controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            fence: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("probe"),
+        "the message says why: {}",
+        err.message()
+    );
+    // Nothing changed: still published, generation not frozen, writes still land.
+    let status = ctl
+        .controller
+        .controller_get_volume(csi::ControllerGetVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(status.published_node_ids, vec!["node-a".to_string()]);
+    assert!(
+        !fencecsi_driver::fsops::is_immutable(&generation_path(&env, &vol.volume_id, 1)).unwrap()
+    );
+    std::fs::write(staging.join("still-writable"), b"yes").unwrap();
+    std::fs::File::open(staging.join("still-writable"))
+        .unwrap()
+        .sync_all()
+        .expect("the attachment is intact");
+
+    node.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: staging.to_string_lossy().into(),
+            force: false,
+        })
+        .await
+        .unwrap();
+    ctl.controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    ctl.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    node_plugin.stop().await;
+    env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_without_immutable_capability_still_holds() {
     require_root!();
     fencecsi_tests::init_tracing();
     let env = Env::new();
     // A controller that lacks CAP_LINUX_IMMUTABLE (as in a container that
-    // dropped it) cannot set the flag: it must say so and claim nothing.
+    // dropped it) cannot set the flag, the second layer; the remap alone
+    // must still fence: no write reaches the data after the RPC.
     let cfg = env.config(Mode::Controller, None, "weak-controller");
     let mut child = Command::new("setpriv")
         .args(["--bounding-set", "-linux_immutable", "--"])
@@ -87,8 +230,21 @@ async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
         .await
         .unwrap();
 
-    let err = ctl
-        .controller
+    // Positive control: before the fence, writes reach the image.
+    let image = generation_path(&env, &vol.volume_id, 1);
+    let data = 64u64 << 20;
+    let before = fencecsi_tests::region_hash(&image, data);
+    std::fs::write(staging.join("before"), vec![7u8; 1 << 20]).unwrap();
+    std::fs::File::open(staging.join("before"))
+        .unwrap()
+        .sync_all()
+        .unwrap();
+    let changed = fencecsi_tests::region_hash(&image, data);
+    assert_ne!(
+        before, changed,
+        "control: a write before the fence changes the data"
+    );
+    ctl.controller
         .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
             node_id: "node-a".into(),
@@ -96,39 +252,22 @@ async fn fence_without_immutable_capability_is_refused_and_changes_nothing() {
             ..Default::default()
         })
         .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert!(
-        err.message().contains("immutable"),
-        "the message says why: {}",
-        err.message()
+        .expect("the remap fences without the immutable flag");
+    let at_fence = fencecsi_tests::region_hash(&image, data);
+    assert!(!fencecsi_driver::fsops::is_immutable(&image).unwrap());
+    let late = std::fs::write(staging.join("after"), vec![9u8; 1 << 20])
+        .and_then(|_| std::fs::File::open(staging.join("after"))?.sync_all());
+    assert!(late.is_err(), "a write after the fence must fail");
+    assert_eq!(
+        fencecsi_tests::region_hash(&image, data),
+        at_fence,
+        "the data changed after the fence returned"
     );
-    // Nothing changed: still published, generation not frozen, writes still land.
-    let status = ctl
-        .controller
-        .controller_get_volume(csi::ControllerGetVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
-    assert_eq!(status.published_node_ids, vec!["node-a".to_string()]);
-    assert!(
-        !fencecsi_driver::fsops::is_immutable(&generation_path(&env, &vol.volume_id, 1)).unwrap()
-    );
-    std::fs::write(staging.join("still-writable"), b"yes").unwrap();
-    std::fs::File::open(staging.join("still-writable"))
-        .unwrap()
-        .sync_all()
-        .expect("the attachment is intact");
-
     node.node
         .node_unstage_volume(csi::NodeUnstageVolumeRequest {
             volume_id: vol.volume_id.clone(),
             staging_target_path: staging.to_string_lossy().into(),
-            force: false,
+            force: true,
         })
         .await
         .unwrap();

@@ -13,6 +13,8 @@ use crate::loopdev::LoopInfo;
 
 pub struct ImageBackend {
     root: PathBuf,
+    /// Whether the state dir's filesystem makes reflinks (checked once).
+    reflink: bool,
 }
 
 impl ImageBackend {
@@ -25,6 +27,7 @@ impl ImageBackend {
         }
         Ok(Self {
             root: state_dir.to_path_buf(),
+            reflink: fsops::can_reflink(state_dir),
         })
     }
 
@@ -57,6 +60,7 @@ impl Backend for ImageBackend {
     fn create(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError> {
         let path = self.generation_path(vol, gen);
         Self::ensure_dir(&self.volume_dir(vol))?;
+        let size = size + fence::TRAILER_BYTES;
         match fsops::create_sparse(&path, size) {
             // A retry after a crash finds the file it made: make sure it is the right size.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => fsops::grow(&path, size),
@@ -68,6 +72,7 @@ impl Backend for ImageBackend {
     fn clone_data(
         &self,
         src: &DataRef,
+        src_bytes: u64,
         vol: &VolumeId,
         gen: u64,
         size: u64,
@@ -82,22 +87,18 @@ impl Backend for ImageBackend {
             // Left by an earlier attempt that completed the rename: clone_file
             // only renames a finished copy into place.
             tracing::info!(path = %to.display(), "clone target already complete from an earlier attempt");
-            fsops::grow(&to, size).map_err(BackendError::io("growing clone"))?;
             return Ok(CloneKind::SparseCopy);
         }
-        let kind = fsops::clone_file(&from, &to).map_err(BackendError::io(format!(
-            "cloning {} to {}",
-            from.display(),
-            to.display()
-        )))?;
-        fsops::grow(&to, size).map_err(BackendError::io("growing clone"))?;
-        Ok(kind)
+        fsops::clone_file(&from, &to, src_bytes.min(size), size + fence::TRAILER_BYTES).map_err(
+            BackendError::io(format!("cloning {} to {}", from.display(), to.display())),
+        )
     }
 
     fn snapshot(
         &self,
         vol: &VolumeId,
         gen: u64,
+        data_bytes: u64,
         snap: &SnapshotId,
     ) -> Result<(CloneKind, u64), BackendError> {
         let to = self.snapshot_path(snap);
@@ -106,13 +107,17 @@ impl Backend for ImageBackend {
         let kind = if to.exists() {
             CloneKind::SparseCopy
         } else {
-            fsops::clone_file(&from, &to)
+            fsops::clone_file(&from, &to, data_bytes, data_bytes)
                 .map_err(BackendError::io(format!("snapshotting {}", from.display())))?
         };
         let size = std::fs::metadata(&to)
             .map_err(BackendError::io("reading snapshot size"))?
             .len();
         Ok((kind, size))
+    }
+
+    fn reflinks(&self) -> bool {
+        self.reflink
     }
 
     fn delete_snapshot(&self, snap: &SnapshotId) -> Result<(), BackendError> {
@@ -125,13 +130,54 @@ impl Backend for ImageBackend {
         }
     }
 
-    fn grow(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError> {
+    fn grow(&self, vol: &VolumeId, gen: u64, old: u64, size: u64) -> Result<(), BackendError> {
         let path = self.generation_path(vol, gen);
-        fsops::grow(&path, size).map_err(BackendError::io(format!("growing {}", path.display())))
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(BackendError::io(format!("opening {}", path.display())))?;
+        // The old trailer becomes data: cut it off (it reads as zeros again),
+        // then extend to the new data plus a new trailer. Attachments show
+        // only [0, old) meanwhile, so nothing in use moves.
+        file.set_len(old)
+            .and_then(|_| file.set_len(size + fence::TRAILER_BYTES))
+            .and_then(|_| file.sync_all())
+            .map_err(BackendError::io(format!("growing {}", path.display())))
     }
 
-    fn freeze(&self, vol: &VolumeId, gen: u64) -> Result<FenceReport, BackendError> {
-        Ok(fence::freeze(&self.generation_path(vol, gen))?)
+    fn ensure_trailer(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+    ) -> Result<(), BackendError> {
+        Ok(fence::ensure_trailer(
+            &self.generation_path(vol, gen),
+            data_bytes,
+        )?)
+    }
+
+    fn freeze(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+    ) -> Result<FenceReport, BackendError> {
+        Ok(fence::freeze(&self.generation_path(vol, gen), data_bytes)?)
+    }
+
+    fn fence_devices(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+        pick: &dyn Fn(&LoopInfo) -> bool,
+    ) -> Result<FenceReport, BackendError> {
+        Ok(fence::fence_devices(
+            &self.generation_path(vol, gen),
+            data_bytes,
+            pick,
+        )?)
     }
 
     fn holders(&self, vol: &VolumeId, gen: u64) -> Result<Vec<LoopInfo>, BackendError> {

@@ -44,6 +44,14 @@ pub struct Generation {
     pub fenced_at: Option<i64>,
     /// The node whose attachment was fenced away.
     pub fenced_node: Option<String>,
+    /// Bytes of volume data in the image (the fence trailer follows). None
+    /// in records written before it was kept: the volume's capacity then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_bytes: Option<u64>,
+    /// Why the fence was made when no one asked for it (the kernel showed a
+    /// node still holding the generation): shown in the volume condition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence_reason: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +91,14 @@ impl VolumeMeta {
 
     pub fn current(&self) -> Option<&Generation> {
         self.generations.get(&self.current_generation)
+    }
+
+    /// Bytes of data in generation `gen` (the rest of its image is trailer).
+    pub fn data_bytes(&self, gen: u64) -> u64 {
+        self.generations
+            .get(&gen)
+            .and_then(|g| g.data_bytes)
+            .unwrap_or(self.capacity_bytes)
     }
 
     pub fn current_is_fenced(&self) -> bool {
@@ -251,6 +267,16 @@ impl MetaStore {
             .cloned()
     }
 
+    /// Whether a volume record with this ID is loaded.
+    pub fn volume_by_id_str(&self, id: &str) -> bool {
+        self.lock().volumes.contains_key(id)
+    }
+
+    /// Whether a snapshot record with this ID is loaded.
+    pub fn snapshot_by_id_str(&self, id: &str) -> bool {
+        self.lock().snapshots.contains_key(id)
+    }
+
     pub fn snapshots(&self) -> Vec<SnapshotMeta> {
         self.lock().snapshots.values().cloned().collect()
     }
@@ -323,6 +349,8 @@ mod tests {
                     origin: None,
                     fenced_at: None,
                     fenced_node: None,
+                    data_bytes: None,
+                    fence_reason: None,
                 },
             )]),
             attachments: BTreeMap::new(),

@@ -37,7 +37,7 @@ impl From<BackendError> for crate::error::CsiError {
     fn from(e: BackendError) -> Self {
         use crate::error::CsiError;
         match e {
-            BackendError::Fence(FenceError::Unsupported { .. }) => {
+            BackendError::Fence(FenceError::Unsupported(_)) => {
                 CsiError::FailedPrecondition(e.to_string())
             }
             BackendError::Busy(m) => CsiError::FailedPrecondition(m),
@@ -70,26 +70,50 @@ pub trait Backend: Send + Sync + 'static {
     fn kind(&self) -> &'static str;
     /// Creates an empty (sparse) generation.
     fn create(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError>;
-    /// Makes `vol`/`gen` a copy of `src`, at least `size` bytes long.
+    /// Makes `vol`/`gen` a copy of the first `src_bytes` of `src` (its data,
+    /// never a trailer), with `size` bytes of data. The source must not
+    /// change meanwhile: fenced, or quiesced by the caller.
     fn clone_data(
         &self,
         src: &DataRef,
+        src_bytes: u64,
         vol: &VolumeId,
         gen: u64,
         size: u64,
     ) -> Result<CloneKind, BackendError>;
-    /// Takes a point-in-time copy of a generation as a snapshot; returns its size.
+    /// Copies the first `data_bytes` of a generation as a snapshot; returns
+    /// its size. The caller quiesces the generation (see `controller::quiesce`).
     fn snapshot(
         &self,
         vol: &VolumeId,
         gen: u64,
+        data_bytes: u64,
         snap: &SnapshotId,
     ) -> Result<(CloneKind, u64), BackendError>;
+    /// Whether copies are reflinks (atomic against concurrent writers).
+    fn reflinks(&self) -> bool;
     fn delete_snapshot(&self, snap: &SnapshotId) -> Result<(), BackendError>;
-    /// Grows a generation (never shrinks).
-    fn grow(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError>;
-    /// The write fence: see [`crate::fence`].
-    fn freeze(&self, vol: &VolumeId, gen: u64) -> Result<FenceReport, BackendError>;
+    /// Grows a generation's data from `old` to `size` bytes (never shrinks),
+    /// moving the fence trailer behind it.
+    fn grow(&self, vol: &VolumeId, gen: u64, old: u64, size: u64) -> Result<(), BackendError>;
+    /// Gives a generation its fence trailer if it has none (older images).
+    fn ensure_trailer(&self, vol: &VolumeId, gen: u64, data_bytes: u64)
+        -> Result<(), BackendError>;
+    /// The write fence on a whole generation: see [`crate::fence`].
+    fn freeze(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+    ) -> Result<FenceReport, BackendError>;
+    /// Fences only the holders `pick` selects, leaving the generation writable.
+    fn fence_devices(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+        pick: &dyn Fn(&LoopInfo) -> bool,
+    ) -> Result<FenceReport, BackendError>;
     /// Who still holds a generation (attached loop devices).
     fn holders(&self, vol: &VolumeId, gen: u64) -> Result<Vec<LoopInfo>, BackendError>;
     /// Every holder there is now, in one scan (filter it with

@@ -6,10 +6,14 @@ use fencecsi_proto::v1::*;
 
 use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
 use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
+use crate::backend::Backend;
 use crate::backend::DataRef;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
+use crate::fence::is_fenced_device;
 use crate::ids::{check_token, VolumeId};
+use crate::loopdev::LoopInfo;
+use crate::node::{node_tag, parse_tag_full};
 
 impl Controller {
     pub(super) fn publish(
@@ -93,9 +97,16 @@ impl Controller {
                 req.node_id
             )));
         }
+        // The kernel, not the records, says who holds the generation: a
+        // writable holder that no attachment entitles is fenced first.
+        if !v.current_is_fenced() && self.backend.generation_exists(&id, v.current_generation) {
+            self.fence_strays(&id, &mut v, &req.node_id)?;
+        }
         if v.current_is_fenced() || !self.backend.generation_exists(&id, v.current_generation) {
             self.new_generation(&id, &mut v)?;
         }
+        let gen = v.current_generation;
+        self.backend.ensure_trailer(&id, gen, v.data_bytes(gen))?;
         let a = Attachment {
             generation: v.current_generation,
             readonly,
@@ -128,6 +139,7 @@ impl Controller {
         let start = std::time::Instant::now();
         let kind = self.backend.clone_data(
             &DataRef::Generation(id.clone(), from),
+            v.data_bytes(from),
             id,
             next,
             v.capacity_bytes,
@@ -139,6 +151,8 @@ impl Controller {
                 origin: Some(kind),
                 fenced_at: None,
                 fenced_node: None,
+                data_bytes: Some(v.capacity_bytes),
+                fence_reason: None,
             },
         );
         v.current_generation = next;
@@ -192,49 +206,173 @@ impl Controller {
         } else {
             vec![req.node_id.clone()]
         };
-
-        if req.fence {
-            // Freeze every generation a target node holds. Nothing is recorded
-            // until every freeze succeeded: a failed fence leaves the volume as it was.
-            let mut gens: Vec<u64> = nodes
+        let holders = self.backend.holder_snapshot()?;
+        let target_tags: Vec<String> = nodes.iter().map(|n| node_tag(n)).collect();
+        let entitled = |v: &VolumeMeta, gen: u64| -> Vec<String> {
+            v.attachments
                 .iter()
-                .filter_map(|n| v.attachments.get(n).map(|a| a.generation))
-                .collect();
-            gens.sort_unstable();
-            gens.dedup();
-            for gen in &gens {
-                let already = v
-                    .generations
-                    .get(gen)
-                    .is_some_and(|g| g.fenced_at.is_some());
-                let report = self.backend.freeze(&id, *gen)?;
-                tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.drained.len(),
-                    us = report.elapsed.as_micros() as u64, refreeze = already, "write fence made");
+                .filter(|(n, a)| a.generation == gen && !a.readonly && !nodes.contains(n))
+                .map(|(n, _)| node_tag(n))
+                .collect()
+        };
+        // Generations to fence, each with the reason. A target node that the
+        // kernel shows still holding a generation writable is fenced whatever
+        // the request said: detaching it plainly would give a second node
+        // the same bytes while the first still writes.
+        let mut plan: Vec<(u64, Option<String>)> = Vec::new();
+        for gen in v.generations.keys().copied() {
+            let attached = nodes
+                .iter()
+                .any(|n| v.attachments.get(n).is_some_and(|a| a.generation == gen));
+            let others = entitled(&v, gen);
+            let held = writable_holders(&*self.backend, &holders, &id, gen, &|tag| {
+                target_tags.iter().any(|t| Some(t.as_str()) == tag)
+                    || (req.fence && !others.iter().any(|o| Some(o.as_str()) == tag))
+            });
+            let fenced = v.generations[&gen].fenced_at.is_some();
+            if req.fence && (attached || !held.is_empty()) {
+                plan.push((gen, None));
+            } else if !held.is_empty()
+                && !(fenced && held.iter().all(|l| is_fenced_device(l, v.data_bytes(gen))))
+            {
+                let why = format!(
+                    "fenced although the unpublish did not ask: the kernel shows {} still holding it ({})",
+                    if nodes.len() == 1 { format!("node {}", nodes[0]) } else { "the node".into() },
+                    held.iter().map(|l| l.device.display().to_string()).collect::<Vec<_>>().join(", ")
+                );
+                plan.push((gen, Some(why)));
             }
-            let now = now_nanos();
-            for node in &nodes {
-                if let Some(a) = v.attachments.remove(node) {
-                    if let Some(g) = v.generations.get_mut(&a.generation) {
-                        if g.fenced_at.is_none() {
-                            g.fenced_at = Some(now);
-                            g.fenced_node = Some(node.clone());
-                        }
-                    }
-                    v.quarantined.insert(node.clone(), a.generation);
+        }
+        if !plan.is_empty() && !self.fence_available() {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id}: {}; the fence is not available on this driver ({})",
+                if req.fence {
+                    "a fence was asked for".to_string()
+                } else {
+                    format!(
+                        "node {} still holds it and must unstage it first",
+                        nodes.join(", ")
+                    )
+                },
+                self.fence_unavailable_reason()
+            )));
+        }
+        // Nothing is recorded until every fence succeeded: a failed fence
+        // leaves the records as they were (the devices already remapped stay
+        // fenced, the safe side; a retry completes the rest).
+        let mut fully = Vec::new();
+        for (gen, why) in &plan {
+            let others = entitled(&v, *gen);
+            let bytes = v.data_bytes(*gen);
+            let report = if others.is_empty() {
+                fully.push(*gen);
+                self.backend.freeze(&id, *gen, bytes)?
+            } else {
+                // Another node writes this generation by right: fence only
+                // the targets' devices (and strays), not the generation.
+                let pick = |l: &LoopInfo| {
+                    let tag = tag_node(&l.tag, &id, *gen);
+                    !l.read_only && !others.iter().any(|o| Some(o.as_str()) == tag)
+                };
+                self.backend.fence_devices(&id, *gen, bytes, &pick)?
+            };
+            match why {
+                Some(why) => {
+                    tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, "write fence made: {why}")
                 }
-            }
-            if gens.is_empty() {
-                tracing::info!(volume = %id, nodes = ?nodes, "fence requested but no attachment to fence (already fenced or never published)");
-            }
-        } else {
-            for node in &nodes {
-                if v.attachments.remove(node).is_some() {
-                    tracing::info!(volume = %id, node, "volume unpublished");
+                None => {
+                    tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, whole = others.is_empty(), "write fence made")
                 }
             }
         }
+        let now = now_nanos();
+        for (gen, why) in &plan {
+            if fully.contains(gen) {
+                if let Some(g) = v.generations.get_mut(gen) {
+                    if g.fenced_at.is_none() {
+                        g.fenced_at = Some(now);
+                        g.fenced_node = Some(nodes.join(","));
+                        g.fence_reason = why.clone();
+                    }
+                }
+            }
+            for node in &nodes {
+                let holds = v
+                    .attachments
+                    .get(node)
+                    .is_some_and(|a| a.generation == *gen)
+                    || !writable_holders(&*self.backend, &holders, &id, *gen, &|t| {
+                        t == Some(node_tag(node).as_str())
+                    })
+                    .is_empty();
+                if holds {
+                    v.quarantined.insert(node.clone(), *gen);
+                }
+            }
+        }
+        for node in &nodes {
+            if v.attachments.remove(node).is_some() {
+                tracing::info!(volume = %id, node, fenced = !plan.is_empty(), "volume unpublished");
+            }
+        }
+        if req.fence && plan.is_empty() {
+            tracing::info!(volume = %id, nodes = ?nodes, "fence requested but nothing holds or is published: nothing can write");
+        }
         self.persist(&v)?;
         Ok(ControllerUnpublishVolumeResponse {})
+    }
+
+    /// Before a publish: fences writable holders of the current generation
+    /// that no attachment entitles (a node whose record is gone, a forged
+    /// stage, an admin's losetup). With no entitled writer left the whole
+    /// generation is fenced, so the publish that follows makes a new one.
+    fn fence_strays(&self, id: &VolumeId, v: &mut VolumeMeta, publishing: &str) -> CsiResult<()> {
+        let gen = v.current_generation;
+        let holders = self.backend.holder_snapshot()?;
+        let entitled: Vec<String> = v
+            .attachments
+            .iter()
+            .filter(|(_, a)| a.generation == gen && !a.readonly)
+            .map(|(n, _)| node_tag(n))
+            .collect();
+        let strays = writable_holders(&*self.backend, &holders, id, gen, &|tag| {
+            !entitled.iter().any(|e| Some(e.as_str()) == tag)
+        });
+        let bytes = v.data_bytes(gen);
+        if strays.iter().all(|l| is_fenced_device(l, bytes)) {
+            return Ok(());
+        }
+        let devices = strays
+            .iter()
+            .map(|l| format!("{} ({})", l.device.display(), l.tag))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if !self.fence_available() {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id}: generation {gen} is held writable by {devices}, which no attachment entitles, and the fence is not available ({})",
+                self.fence_unavailable_reason()
+            )));
+        }
+        let why = format!(
+            "fenced before publishing to {publishing}: held by {devices} with no attachment"
+        );
+        if entitled.is_empty() {
+            self.backend.freeze(id, gen, bytes)?;
+            if let Some(g) = v.generations.get_mut(&gen) {
+                g.fenced_at = Some(now_nanos());
+                g.fenced_node = Some("unknown".into());
+                g.fence_reason = Some(why.clone());
+            }
+            self.persist(v)?;
+        } else {
+            let pick = |l: &LoopInfo| {
+                let tag = tag_node(&l.tag, id, gen);
+                !l.read_only && !entitled.iter().any(|e| Some(e.as_str()) == tag)
+            };
+            self.backend.fence_devices(id, gen, bytes, &pick)?;
+        }
+        tracing::warn!(volume = %id, generation = gen, "write fence made: {why}");
+        Ok(())
     }
 
     /// Deletes fenced, superseded generations nobody holds and lifts the
@@ -312,6 +450,29 @@ impl Controller {
         }
         removed
     }
+}
+
+/// The node part of a loop tag, when the tag names this volume and generation.
+fn tag_node<'a>(tag: &'a str, id: &VolumeId, gen: u64) -> Option<&'a str> {
+    parse_tag_full(tag)
+        .filter(|(v, g, _)| v == id && *g == gen)
+        .map(|(_, _, n)| n)
+}
+
+/// Writable loop devices on `gen` (from one scan) whose node part of the
+/// tag `pick` accepts (None: not one of our tags at all).
+fn writable_holders(
+    backend: &dyn Backend,
+    scan: &[LoopInfo],
+    id: &VolumeId,
+    gen: u64,
+    pick: &dyn Fn(Option<&str>) -> bool,
+) -> Vec<LoopInfo> {
+    backend
+        .holders_in(scan, id, gen)
+        .into_iter()
+        .filter(|l| !l.read_only && pick(tag_node(&l.tag, id, gen)))
+        .collect()
 }
 
 /// Parses a generation number from a publish context.

@@ -4,6 +4,8 @@
 //! in-flight lock, so concurrent calls for one volume get ABORTED.
 
 pub mod attach;
+mod leftovers;
+mod quiesce;
 mod snapshots;
 mod volumes;
 
@@ -49,6 +51,10 @@ pub struct Controller {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) inflight: InFlight,
     pub(crate) kernel: String,
+    /// What the start-up probe of the fence on the state dir found: Err
+    /// says why the fence is not offered (UNPUBLISH_FENCE not advertised,
+    /// fence requests answered FAILED_PRECONDITION).
+    pub(crate) fence: Result<crate::fence::ProbeReport, String>,
 }
 
 /// An exclusive `flock` on `<state>/controller.lock`. The controller keeps
@@ -94,6 +100,16 @@ impl Controller {
         let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
         let store = MetaStore::open(&cfg.state_dir)?;
         tracing::info!(state_dir = %cfg.state_dir.display(), volumes = store.volumes().len(), "controller state loaded");
+        leftovers::clean(&cfg.state_dir, &store);
+        let fence = crate::fence::probe(&cfg.state_dir);
+        match &fence {
+            Ok(p) => {
+                tracing::info!(filesystem = %p.filesystem, ms = p.elapsed.as_secs_f64() * 1e3, "fence proven on the state dir (write, discard, write-zeroes refused after the fence; buffered and direct-I/O loop devices)")
+            }
+            Err(why) => {
+                tracing::error!(state_dir = %cfg.state_dir.display(), filesystem = %crate::fence::fs_name(&cfg.state_dir), reason = %why, "fence NOT available: UNPUBLISH_FENCE is not advertised and fence requests will be refused")
+            }
+        }
         Ok(Arc::new(Controller {
             _owner: owner,
             cfg,
@@ -101,7 +117,19 @@ impl Controller {
             backend: Arc::new(backend),
             inflight: InFlight::new(),
             kernel: kernel_segment(),
+            fence,
         }))
+    }
+
+    pub(crate) fn fence_available(&self) -> bool {
+        self.fence.is_ok()
+    }
+
+    pub(crate) fn fence_unavailable_reason(&self) -> String {
+        match &self.fence {
+            Ok(_) => String::new(),
+            Err(why) => format!("the start-up probe on the state dir failed: {why}"),
+        }
     }
 
     pub(crate) fn topology(&self) -> Topology {
@@ -130,7 +158,7 @@ impl Controller {
             .map_err(|e| CsiError::internal("writing volume metadata", e))
     }
 
-    fn capabilities(extensions: bool) -> Vec<ControllerServiceCapability> {
+    fn capabilities(extensions: bool, fence: bool) -> Vec<ControllerServiceCapability> {
         [
             RpcType::CreateDeleteVolume,
             RpcType::PublishUnpublishVolume,
@@ -148,7 +176,7 @@ impl Controller {
             RpcType::UnpublishFence,
         ]
         .into_iter()
-        .filter(|t| extensions || *t != RpcType::UnpublishFence)
+        .filter(|t| (extensions && fence) || *t != RpcType::UnpublishFence)
         .map(|t| ControllerServiceCapability {
             r#type: Some(CapType::Rpc(Rpc { r#type: t as i32 })),
         })
@@ -223,7 +251,7 @@ impl CsiController for ControllerService {
     ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
         let ext = self.0.cfg.advertise_extensions.shown(r.metadata());
         Ok(Response::new(ControllerGetCapabilitiesResponse {
-            capabilities: Controller::capabilities(ext),
+            capabilities: Controller::capabilities(ext, self.0.fence_available()),
         }))
     }
     async fn create_snapshot(

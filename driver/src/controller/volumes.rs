@@ -247,6 +247,8 @@ impl Controller {
                     origin: None,
                     fenced_at: None,
                     fenced_node: None,
+                    data_bytes: Some(size),
+                    fence_reason: None,
                 },
             )]),
             attachments: BTreeMap::new(),
@@ -274,20 +276,28 @@ impl Controller {
                 let Ok(Parsed::Ours(sid)) = SnapshotId::parse(raw) else {
                     unreachable!("checked before the record was written")
                 };
-                if self.store.snapshot(&sid).is_none() {
+                let Some(snap) = self.store.snapshot(&sid) else {
                     return Err(CsiError::NotFound(format!(
                         "snapshot {raw} no longer exists"
                     )));
-                }
-                Some(
-                    self.backend
-                        .clone_data(&DataRef::Snapshot(sid), &id, 1, v.capacity_bytes)?,
-                )
+                };
+                Some(self.backend.clone_data(
+                    &DataRef::Snapshot(sid),
+                    snap.size_bytes,
+                    &id,
+                    1,
+                    v.capacity_bytes,
+                )?)
             }
             Some(Source::Volume(raw)) => {
                 let (src, m) = self.existing_volume(raw)?;
+                let gen = m.current_generation;
+                let bytes = m.data_bytes(gen);
+                // A volume in use is copied at one instant (see quiesce).
+                let _quiet = self.quiesce(&src, gen, bytes)?;
                 Some(self.backend.clone_data(
-                    &DataRef::Generation(src, m.current_generation),
+                    &DataRef::Generation(src, gen),
+                    bytes,
                     &id,
                     1,
                     v.capacity_bytes,
@@ -466,8 +476,9 @@ impl Controller {
                 .collect();
             match (&g.fenced_at, devices.is_empty()) {
                 (Some(_), false) => notes.push(format!(
-                    "fenced generation {gen} (node {}) is still held by {}; that node must force-unstage it",
+                    "fenced generation {gen} (node {}{}) is still held by {}; that node must force-unstage it",
                     g.fenced_node.as_deref().unwrap_or("?"),
+                    g.fence_reason.as_deref().map(|r| format!(", {r}")).unwrap_or_default(),
                     devices.join(", ")
                 )),
                 (None, false) => notes.push(format!("generation {gen} attached as {}", devices.join(", "))),
@@ -535,8 +546,18 @@ impl Controller {
         if size > v.capacity_bytes {
             // A fenced current generation is immutable; the clone made at the
             // next publish is created at the recorded size instead.
+            // Generations keep the data size they have now; only the
+            // current one, if writable, grows.
+            let old = v.capacity_bytes;
+            for g in v.generations.values_mut() {
+                g.data_bytes.get_or_insert(old);
+            }
             if !v.current_is_fenced() {
-                self.backend.grow(&id, v.current_generation, size)?;
+                let gen = v.current_generation;
+                self.backend.grow(&id, gen, v.data_bytes(gen), size)?;
+                if let Some(g) = v.generations.get_mut(&gen) {
+                    g.data_bytes = Some(size);
+                }
             }
             v.capacity_bytes = size;
             self.persist(&v)?;

@@ -146,6 +146,8 @@ impl Node {
                 read_only: true,
                 direct_io: self.cfg.direct_io,
                 tag,
+                // The same window as the staged device: never the fence trailer.
+                size_limit: lo.size_limit,
             },
         )
         .map_err(|e| CsiError::internal(&format!("attaching {} read-only", image.display()), e))?;

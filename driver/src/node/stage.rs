@@ -84,19 +84,25 @@ impl Node {
             .read_meta(&id)?
             .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
 
-        let gen = match generation_from_context(&req.publish_context) {
-            Some(g) => g?,
-            None => meta
-                .attachments
-                .get(&self.node_id)
-                .map(|a| a.generation)
-                .ok_or_else(|| {
-                    CsiError::FailedPrecondition(format!(
-                        "volume {id} is not published to node {}",
-                        self.node_id
-                    ))
-                })?,
-        };
+        // The controller's record, not the caller's context, says which
+        // generation this node may attach: a context naming another one
+        // (stale, or forged) would give two nodes the same bytes.
+        let recorded = meta.attachments.get(&self.node_id).ok_or_else(|| {
+            CsiError::FailedPrecondition(format!(
+                "volume {id} is not published to node {} (ControllerPublishVolume first)",
+                self.node_id
+            ))
+        })?;
+        let gen = recorded.generation;
+        if let Some(claimed) = generation_from_context(&req.publish_context) {
+            let claimed = claimed?;
+            if claimed != gen {
+                return Err(CsiError::FailedPrecondition(format!(
+                    "publish_context names generation {claimed} of volume {id}, but the controller published generation {gen} to node {}",
+                    self.node_id
+                )));
+            }
+        }
         if meta
             .generations
             .get(&gen)
@@ -106,10 +112,11 @@ impl Node {
                 "generation {gen} of volume {id} was fenced: this node's attachment was revoked; the volume must be published again"
             )));
         }
-        let readonly = req
-            .publish_context
-            .get(CTX_READONLY)
-            .is_some_and(|v| v == "true")
+        let readonly = recorded.readonly
+            || req
+                .publish_context
+                .get(CTX_READONLY)
+                .is_some_and(|v| v == "true")
             || access.read_only_mode();
         let image = self.generation_path(&id, gen);
         if !image.exists() {
@@ -119,7 +126,7 @@ impl Node {
             )));
         }
 
-        let lo = self.find_or_attach(&id, gen, &image, readonly)?;
+        let lo = self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen))?;
         crate::failpoint::hit("stage:after-attach");
         if access.block {
             self.stage_block(&id, &staging, &lo)?;
@@ -144,8 +151,18 @@ impl Node {
         gen: u64,
         image: &Path,
         readonly: bool,
+        data_bytes: u64,
     ) -> CsiResult<LoopInfo> {
         let tag = loop_tag(id, gen, &self.node_id);
+        // Shared with other attaches, exclusive with a fence on this image:
+        // a fence either sees this device or this attach sees its flag.
+        let _fence_lock = crate::loopdev::BackingLock::on_path(image, false)
+            .map_err(|e| CsiError::internal("locking the image against a concurrent fence", e))?;
+        if !readonly && crate::fsops::is_immutable(image).unwrap_or(false) {
+            return Err(CsiError::FailedPrecondition(format!(
+                "generation {gen} of volume {id} is fenced: it cannot be attached for writing"
+            )));
+        }
         let (dev, ino) = crate::fsops::dev_ino(image)
             .map_err(|e| CsiError::internal("inspecting the image", e))?;
         let existing = loopdev::find_by_inode(dev, ino)
@@ -170,6 +187,7 @@ impl Node {
                 read_only: readonly,
                 direct_io: self.cfg.direct_io,
                 tag,
+                size_limit: data_bytes,
             },
         )
         .map_err(|e| CsiError::internal(&format!("attaching {}", image.display()), e))

@@ -153,11 +153,15 @@ impl Node {
                     .is_some_and(|m| m.fenced_at.is_none())
             })
             .max_by_key(|(_, g)| *g);
-        let (lo, _) = current.ok_or_else(|| {
+        let (lo, gen) = current.ok_or_else(|| {
             CsiError::FailedPrecondition(format!("volume {id} is not staged on this node"))
         })?;
-        let size = loopdev::set_capacity(&lo.device)
-            .map_err(|e| CsiError::internal("refreshing the loop device capacity", e))?;
+        // The device shows the generation's data and never its fence
+        // trailer: widen the window to the new data size (this also turns a
+        // device attached before windows existed into a windowed one).
+        let size = loopdev::remap(&lo.device, 0, meta.data_bytes(gen))
+            .map_err(|e| CsiError::internal("widening the loop device to the new size", e))?
+            .size_bytes;
         if std::fs::metadata(&path)
             .map(|m| m.is_dir())
             .unwrap_or(false)

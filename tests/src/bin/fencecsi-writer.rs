@@ -3,7 +3,13 @@
 //! returned success. On an error it prints `err <seq> <errno>` and keeps
 //! trying (a real database would too) until killed or `--max-errors` is hit.
 //!
-//! usage: fencecsi-writer <path> [--direct] [--max-errors N] [--interval-ms N]
+//! With `--churn OFFSET` it also works a 64 KiB scratch area at OFFSET
+//! after every record: a pattern write, then (in turn) a discard and a
+//! write-zeroes (BLKDISCARD/BLKZEROOUT on a block device, fallocate
+//! punch-hole/zero-range on a file), so every kind of request is in flight
+//! when a fence lands. Their results are not reported: records are.
+//!
+//! usage: fencecsi-writer <path> [--direct] [--max-errors N] [--interval-ms N] [--churn OFFSET]
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -27,6 +33,7 @@ fn main() {
     let direct = flag("--direct").is_some();
     let max_errors = value("--max-errors", 20);
     let interval = std::time::Duration::from_millis(value("--interval-ms", 0));
+    let churn = flag("--churn").map(|_| value("--churn", 64 << 20));
 
     let mut opts = OpenOptions::new();
     opts.read(true)
@@ -57,7 +64,7 @@ fn main() {
         let mut out = stdout.lock();
         match result {
             Ok(()) => {
-                let _ = writeln!(out, "ok {seq}");
+                let _ = writeln!(out, "ok {seq} {}", monotonic_ns());
                 seq += 1;
             }
             Err(e) => {
@@ -71,9 +78,75 @@ fn main() {
             }
         }
         let _ = out.flush();
+        drop(out);
+        if let Some(at) = churn {
+            churn_once(&file, at, seq, buf);
+        }
         if !interval.is_zero() {
             std::thread::sleep(interval);
         }
+    }
+}
+
+/// CLOCK_MONOTONIC in ns: the same clock across processes, so the test can
+/// compare an acknowledgement with the moment its fence RPC returned.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+const SCRATCH: usize = 64 << 10;
+
+/// One step of scratch work (see the module docs); errors are expected
+/// after a fence and ignored.
+fn churn_once(file: &std::fs::File, at: u64, seq: u64, buf: &mut [u8]) {
+    use std::os::fd::AsRawFd;
+    let block = file
+        .metadata()
+        .map(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_block_device()
+        })
+        .unwrap_or(false);
+    let fd = file.as_raw_fd();
+    let range = [at, SCRATCH as u64];
+    match seq % 3 {
+        0 => {
+            buf.fill((seq as u8) | 1);
+            for i in 0..(SCRATCH / buf.len()) {
+                let _ = file.write_all_at(buf, at + (i * buf.len()) as u64);
+            }
+            let _ = file.sync_data();
+        }
+        1 if block => unsafe {
+            // SAFETY: ioctl on our fd with a valid 16-byte range.
+            libc::ioctl(fd, 0x1277 /* BLKDISCARD */, range.as_ptr());
+        },
+        2 if block => unsafe {
+            // SAFETY: as above.
+            libc::ioctl(fd, 0x127f /* BLKZEROOUT */, range.as_ptr());
+        },
+        1 => unsafe {
+            // SAFETY: fallocate on our fd.
+            libc::fallocate(
+                fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                at as i64,
+                SCRATCH as i64,
+            );
+        },
+        _ => unsafe {
+            // SAFETY: as above.
+            libc::fallocate(fd, libc::FALLOC_FL_ZERO_RANGE, at as i64, SCRATCH as i64);
+        },
+    }
+    if seq % 3 != 0 {
+        let _ = file.sync_data();
     }
 }
 
