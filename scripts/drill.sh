@@ -10,5 +10,9 @@ if [ "$(id -u)" -ne 0 ]; then
   echo "drill: needs root (it attaches loop devices and mounts filesystems); run: sudo bash scripts/drill.sh $*" >&2
   exit 1
 fi
+echo "drill: checking the tools it needs" >&2
 bash scripts/setup.sh
-exec cargo run --release --locked -q -p fencecsi-drill -- "$@"
+echo "drill: building fencecsi-drill (release; the first build takes about 15 minutes on 2 cores, later ones seconds)" >&2
+cargo build --release --locked -p fencecsi-drill
+echo "drill: starting" >&2
+exec ./target/release/fencecsi-drill "$@"

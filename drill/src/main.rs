@@ -10,33 +10,44 @@ use fencecsi_drill::{Options, Progress};
 #[derive(Debug, Parser)]
 #[command(name = "fencecsi-drill", version, about)]
 struct Cli {
-    /// Number of nodes (at least 2).
-    #[arg(long, default_value_t = 2)]
-    nodes: usize,
-    /// Number of volumes (PVC + StatefulSet pod each) on node A.
-    #[arg(long, default_value_t = 1)]
-    volumes: usize,
+    /// Number of nodes (2 to 16).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(2..=16))]
+    nodes: u16,
+    /// Number of volumes (PVC + StatefulSet pod each) on node A (1 to 64).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    volumes: u16,
     /// Filesystem of the volumes.
     #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
     fs: String,
     /// Machine-readable result on stdout (progress goes to stderr).
     #[arg(long)]
     json: bool,
-    /// Timeout of each waited-for step, in seconds.
-    #[arg(long, default_value_t = 60)]
+    /// Timeout of each waited-for step, in seconds (at least 1).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     step_timeout: u64,
     /// Records every writer must have acknowledged before node A shuts down.
     #[arg(long, default_value_t = 20)]
     min_records: u64,
-    /// Node lifecycle grace (node-monitor-grace-period) in seconds.
-    #[arg(long, default_value_t = 2.0)]
+    /// Node lifecycle grace (node-monitor-grace-period) in seconds (0.1 to 3600).
+    #[arg(long, default_value_t = 2.0, value_parser = seconds)]
     monitor_grace: f64,
-    /// podgc's shutdown grace in seconds.
-    #[arg(long, default_value_t = 1.0)]
+    /// podgc's shutdown grace in seconds (0.1 to 3600).
+    #[arg(long, default_value_t = 1.0, value_parser = seconds)]
     podgc_grace: f64,
     /// Also run a pod whose PV's driver has no safe-detach annotation (it must stay).
     #[arg(long)]
     unsafe_pod: bool,
+}
+
+/// A duration in seconds that the drill can wait for.
+fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if !(0.1..=3600.0).contains(&v) {
+        return Err(format!("{v} s is outside 0.1..3600"));
+    }
+    Ok(v)
 }
 
 fn main() {
@@ -54,8 +65,8 @@ fn main() {
         .try_init();
     let exe = std::env::current_exe().expect("current exe");
     let mut opts = Options::new(exe);
-    opts.nodes = cli.nodes;
-    opts.volumes = cli.volumes;
+    opts.nodes = cli.nodes as usize;
+    opts.volumes = cli.volumes as usize;
     opts.fs = cli.fs.clone();
     opts.step_timeout = Duration::from_secs(cli.step_timeout);
     opts.min_records = cli.min_records;

@@ -486,6 +486,9 @@ pub async fn run(opts: Options, cancel: impl Future<Output = ()>) -> anyhow::Res
     if opts.nodes < 2 {
         bail!("--nodes must be at least 2");
     }
+    if opts.volumes == 0 {
+        bail!("--volumes must be at least 1");
+    }
     if opts.fs != "ext4" && opts.fs != "xfs" {
         bail!("--fs must be ext4 or xfs");
     }

@@ -81,6 +81,9 @@ pub fn parse(cap: &VolumeCapability) -> Result<Access, CsiError> {
             if m.mount_flags.iter().map(String::len).sum::<usize>() > 4096 {
                 return Err(CsiError::InvalidArgument("mount_flags exceed 4 KiB".into()));
             }
+            for flag in m.mount_flags.iter().flat_map(|f| f.split(',')) {
+                check_mount_flag(flag)?;
+            }
             if !m.volume_mount_group.is_empty() {
                 return Err(CsiError::InvalidArgument(
                     "volume_mount_group is not supported".into(),
@@ -97,6 +100,38 @@ pub fn parse(cap: &VolumeCapability) -> Result<Access, CsiError> {
             "volume capability has neither block nor mount access type".into(),
         )),
     }
+}
+
+/// Refuses mount options the kernel can never take here, before anything
+/// is attached: options of the mount(8) program rather than the kernel
+/// (`X-…`, `x-…`, `nofail`, `_netdev`, `auto`, `user`…), SELinux contexts on a
+/// kernel without SELinux, and malformed ones.
+fn check_mount_flag(flag: &str) -> Result<(), CsiError> {
+    let f = flag.trim();
+    let bad = |why: &str| {
+        Err(CsiError::InvalidArgument(format!(
+            "mount option {flag:?} is not supported: {why}"
+        )))
+    };
+    if f.is_empty() || f.contains('\0') || f.chars().any(char::is_whitespace) {
+        return bad("empty or contains whitespace or NUL");
+    }
+    if f.starts_with("X-") || f.starts_with("x-") {
+        return bad("X-/x- options are read by the mount program, never by the kernel");
+    }
+    const USERSPACE: [&str; 8] = [
+        "nofail", "_netdev", "auto", "noauto", "user", "nouser", "users", "owner",
+    ];
+    if USERSPACE.contains(&f) {
+        return bad("an fstab option of the mount program, not a filesystem option");
+    }
+    let key = f.split('=').next().unwrap_or(f);
+    if ["context", "fscontext", "defcontext", "rootcontext"].contains(&key)
+        && !std::path::Path::new("/sys/fs/selinux/enforce").exists()
+    {
+        return bad("SELinux is not enabled on this kernel");
+    }
+    Ok(())
 }
 
 /// Parses a required list of capabilities.

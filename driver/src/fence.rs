@@ -111,6 +111,17 @@ pub fn ensure_trailer(path: &Path, end_of_data: u64) -> Result<(), FenceError> {
     Ok(())
 }
 
+/// The marker a whole-generation fence leaves next to the image, made
+/// before any holder is remapped and checked by every node attach under the
+/// shared lock: a stage that read the records just before the fence can no
+/// longer attach the generation after the fence's scan, with or without the
+/// immutable flag.
+pub fn marker_path(image: &Path) -> PathBuf {
+    let mut name = image.file_name().unwrap_or_default().to_os_string();
+    name.push(".fenced");
+    image.with_file_name(name)
+}
+
 /// The whole-generation fence: see the module docs. `data_bytes` is the
 /// generation's data size; nothing in `[0, data_bytes)` changes after this
 /// returns Ok.
@@ -137,9 +148,17 @@ fn fence(
 ) -> Result<FenceReport, FenceError> {
     let start = Instant::now();
     ensure_trailer(path, data_bytes)?;
-    // Second layer first: from here on no new writable open of the image
-    // succeeds, so no new holder can appear (a node attach in progress
-    // holds the shared lock, which the exclusive one below waits out).
+    let _lock = BackingLock::on_path(path, true).map_err(io_err(path))?;
+    if immutable {
+        let marker = marker_path(path);
+        std::fs::File::create(&marker)
+            .and_then(|f| f.sync_all())
+            .and_then(|_| fsops::fsync_parent(&marker))
+            .map_err(io_err(path))?;
+    }
+    // Second layer: from here on no new writable open of the image succeeds
+    // where the flag can be set. New holders are kept out by the marker (an
+    // attach checks it under the shared lock this fence holds exclusively).
     let mut flagged = false;
     if immutable {
         match fsops::set_immutable(path, true) {
@@ -149,7 +168,6 @@ fn fence(
             }
         }
     }
-    let _lock = BackingLock::on_path(path, true).map_err(io_err(path))?;
     let mut fenced: Vec<LoopInfo> = Vec::new();
     let mut stable = false;
     for _ in 0..SCAN_PASSES {

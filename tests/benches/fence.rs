@@ -1,40 +1,23 @@
-//! Fence benchmark (issue 3): fence latency and attach-after-fence latency
-//! against volume size, on an ext4 backend (no reflink: sparse copy) and an
-//! xfs backend (reflink), both made on loop devices in this run.
+//! Fence benchmark: fence latency and attach-after-fence latency against
+//! volume size, on ext4 (no reflink: sparse copy), xfs and btrfs (reflink)
+//! backing filesystems, all made on loop devices in this run. Then the cost
+//! of the trailer remap against the fence it replaced (immutable flag, one
+//! queue drain, fsync), both on the same kind of image with the same dirty
+//! data, per backing filesystem: the baseline in the same run.
 //!
-//! cargo bench -p fencecsi-tests --bench fence   (needs root, xfsprogs)
-//! FENCECSI_BENCH_CYCLES (default 3) fence/attach cycles per volume.
+//! cargo bench -p fencecsi-tests --bench fence   (needs root, xfsprogs, btrfs-progs)
+//! FENCECSI_BENCH_CYCLES (default 3) fence/attach cycles per volume;
+//! FENCECSI_BENCH_PRIMITIVE_RUNS (default 20) runs of each fence primitive.
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use fencecsi_driver::fence::{self, TRAILER_BYTES};
 use fencecsi_driver::loopdev::{self, AttachOptions};
 use fencecsi_tests::bench::pct_ms;
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{block_cap, Access, Env};
-
-/// Makes a filesystem of `kind` on a loop device over a sparse image in
-/// `outer` and mounts it; the outer env's teardown unmounts and detaches it.
-fn backend(outer: &Env, kind: &str) -> std::path::PathBuf {
-    let img = outer.path().join(format!("{kind}-backend.img"));
-    fencecsi_driver::fsops::create_sparse(&img, 48 << 30).unwrap();
-    let lo = loopdev::attach(
-        &img,
-        &AttachOptions {
-            read_only: false,
-            direct_io: false,
-            tag: format!("bench-backend-{kind}"),
-            size_limit: 0,
-        },
-    )
-    .unwrap();
-    fencecsi_driver::fsutil::mkfs(&lo.device, kind).unwrap();
-    let mnt = outer.path().join(format!("{kind}-backend"));
-    std::fs::create_dir_all(&mnt).unwrap();
-    fencecsi_driver::mounts::mount_device(&lo.device, &mnt, kind, &[], false).unwrap();
-    mnt
-}
 
 /// Writes `bytes` of data from the start of the published block device.
 fn fill(p: &Placement, bytes: u64) {
@@ -141,13 +124,29 @@ async fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
+    let runs: usize = std::env::var("FENCECSI_BENCH_PRIMITIVE_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
     let outer = Env::new();
-    let ext4 = backend(&outer, "ext4");
-    let xfs = backend(&outer, "xfs");
+    let kinds = [
+        ("ext4", "ext4 (sparse copy)"),
+        ("xfs", "xfs (reflink)"),
+        ("btrfs", "btrfs (reflink)"),
+    ];
+    let dirs: Vec<_> = kinds
+        .iter()
+        .map(|(k, _)| fencecsi_tests::backing_fs(&outer, k, 48 << 30))
+        .collect();
     let mut rows = Vec::new();
     for size in [1u64, 16] {
-        rows.push(measure(&ext4, "ext4 (sparse copy)", size, cycles).await);
-        rows.push(measure(&xfs, "xfs (reflink)", size, cycles).await);
+        for ((_, label), dir) in kinds.iter().zip(&dirs) {
+            rows.push(measure(dir, label, size, cycles).await);
+        }
+    }
+    let mut primitives = Vec::new();
+    for ((kind, _), dir) in kinds.iter().zip(&dirs) {
+        primitives.push((*kind, primitive_costs(dir, runs)));
     }
     println!(
         "## Fence and attach-after-fence ({cycles} cycles each; a tenth of each volume written)\n"
@@ -166,4 +165,63 @@ async fn main() {
             r.first_attach.as_secs_f64() * 1e3
         );
     }
+    println!("\n## The trailer remap against the fence it replaced ({runs} runs each; 64 MiB dirty in the page cache, one buffered loop device)\n");
+    println!("| backing fs | old fence (flag + drain + fsync) p50 ms | max ms | remap fence p50 ms | max ms | remap / old |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (kind, (old, new)) in &primitives {
+        println!(
+            "| {kind} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
+            pct_ms(old, 50.0),
+            pct_ms(old, 100.0),
+            pct_ms(new, 50.0),
+            pct_ms(new, 100.0),
+            pct_ms(new, 50.0) / pct_ms(old, 50.0)
+        );
+    }
+}
+
+/// Old fence vs new, alternating, each on a fresh 256 MiB image with its
+/// trailer, a buffered loop device, and 64 MiB written through it (dirty in
+/// the page cache) just before: what a fence finds on a busy volume.
+fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
+    const DATA: u64 = 256 << 20;
+    let env = Env::new_in(dir);
+    let (mut old, mut new) = (Vec::new(), Vec::new());
+    for i in 0..runs * 2 {
+        let img = env.path().join(format!("p{i}.img"));
+        fencecsi_driver::fsops::create_sparse(&img, DATA + TRAILER_BYTES).unwrap();
+        let lo = loopdev::attach(
+            &img,
+            &AttachOptions {
+                tag: format!("bench-prim-{i}"),
+                size_limit: DATA,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&lo.device)
+            .unwrap();
+        let buf = vec![0xA5u8; 1 << 20];
+        for m in 0..64u64 {
+            f.write_all_at(&buf, m << 20).unwrap();
+        }
+        drop(f);
+        let t = Instant::now();
+        if i % 2 == 0 {
+            fencecsi_driver::fsops::set_immutable(&img, true).unwrap();
+            loopdev::drain(&lo.device).unwrap();
+            std::fs::File::open(&img).unwrap().sync_all().unwrap();
+            old.push(t.elapsed());
+        } else {
+            fence::freeze(&img, DATA).unwrap();
+            new.push(t.elapsed());
+        }
+        loopdev::detach(&lo.device).unwrap();
+        fencecsi_driver::fsops::set_immutable(&img, false).unwrap();
+        std::fs::remove_file(&img).unwrap();
+    }
+    env.assert_clean();
+    (old, new)
 }

@@ -166,6 +166,10 @@ impl Backend for ImageBackend {
         Ok(fence::freeze(&self.generation_path(vol, gen), data_bytes)?)
     }
 
+    fn fence_marked(&self, vol: &VolumeId, gen: u64) -> bool {
+        fence::marker_path(&self.generation_path(vol, gen)).exists()
+    }
+
     fn fence_devices(
         &self,
         vol: &VolumeId,
@@ -225,6 +229,7 @@ impl Backend for ImageBackend {
         }
         std::fs::remove_file(&path)
             .map_err(BackendError::io(format!("removing {}", path.display())))?;
+        let _ = std::fs::remove_file(fence::marker_path(&path));
         fsops::fsync_parent(&path).map_err(BackendError::io("syncing directory"))
     }
 
@@ -235,15 +240,31 @@ impl Backend for ImageBackend {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(BackendError::io(format!("reading {}", dir.display()))(e)),
         };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().to_string();
-            if let Some(gen) = name
-                .strip_prefix("gen-")
-                .and_then(|n| n.strip_suffix(".img"))
-                .and_then(|n| n.parse().ok())
-            {
-                self.remove_generation(vol, gen)?;
+        let gens: Vec<u64> = entries
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_string_lossy().to_string();
+                name.strip_prefix("gen-")
+                    .and_then(|n| n.strip_suffix(".img"))
+                    .and_then(|n| n.parse().ok())
+            })
+            .collect();
+        // Every generation must be free before any is removed: a delete that
+        // stops half way would leave a record pointing at missing data.
+        for gen in &gens {
+            let held = self.holders(vol, *gen)?;
+            if !held.is_empty() {
+                return Err(BackendError::Busy(format!(
+                    "generation {gen} of {vol} is still held by {}",
+                    held.iter()
+                        .map(|l| l.device.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
             }
+        }
+        for gen in gens {
+            self.remove_generation(vol, gen)?;
         }
         std::fs::remove_dir_all(&dir)
             .map_err(BackendError::io(format!("removing {}", dir.display())))?;

@@ -106,6 +106,9 @@ pub trait Backend: Send + Sync + 'static {
         gen: u64,
         data_bytes: u64,
     ) -> Result<FenceReport, BackendError>;
+    /// Whether a whole-generation fence was started on `gen` (its marker
+    /// exists), even if the controller died before recording it.
+    fn fence_marked(&self, vol: &VolumeId, gen: u64) -> bool;
     /// Fences only the holders `pick` selects, leaving the generation writable.
     fn fence_devices(
         &self,

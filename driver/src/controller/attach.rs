@@ -99,10 +99,16 @@ impl Controller {
         }
         // The kernel, not the records, says who holds the generation: a
         // writable holder that no attachment entitles is fenced first.
-        if !v.current_is_fenced() && self.backend.generation_exists(&id, v.current_generation) {
+        if !v.current_is_fenced()
+            && !self.backend.fence_marked(&id, v.current_generation)
+            && self.backend.generation_exists(&id, v.current_generation)
+        {
             self.fence_strays(&id, &mut v, &req.node_id)?;
         }
-        if v.current_is_fenced() || !self.backend.generation_exists(&id, v.current_generation) {
+        if v.current_is_fenced()
+            || self.backend.fence_marked(&id, v.current_generation)
+            || !self.backend.generation_exists(&id, v.current_generation)
+        {
             self.new_generation(&id, &mut v)?;
         }
         let gen = v.current_generation;
@@ -120,13 +126,17 @@ impl Controller {
     }
 
     fn publish_context(&self, v: &VolumeMeta, a: &Attachment) -> ControllerPublishVolumeResponse {
+        let mut ctx: std::collections::HashMap<String, String> = [
+            (CTX_GENERATION.to_string(), a.generation.to_string()),
+            (CTX_READONLY.to_string(), a.readonly.to_string()),
+        ]
+        .into();
+        // A raw block attachment has no filesystem to name.
+        if !a.block {
+            ctx.insert(CTX_FS_TYPE.to_string(), v.fs_type.clone());
+        }
         ControllerPublishVolumeResponse {
-            publish_context: [
-                (CTX_GENERATION.to_string(), a.generation.to_string()),
-                (CTX_FS_TYPE.to_string(), v.fs_type.clone()),
-                (CTX_READONLY.to_string(), a.readonly.to_string()),
-            ]
-            .into(),
+            publish_context: ctx,
         }
     }
 
@@ -208,10 +218,13 @@ impl Controller {
         };
         let holders = self.backend.holder_snapshot()?;
         let target_tags: Vec<String> = nodes.iter().map(|n| node_tag(n)).collect();
+        // Nodes other than the targets attached to a generation, readers
+        // included: with any of them, only the targets' devices are fenced,
+        // never the generation (that would cut the others off too).
         let entitled = |v: &VolumeMeta, gen: u64| -> Vec<String> {
             v.attachments
                 .iter()
-                .filter(|(n, a)| a.generation == gen && !a.readonly && !nodes.contains(n))
+                .filter(|(n, a)| a.generation == gen && !nodes.contains(n))
                 .map(|(n, _)| node_tag(n))
                 .collect()
         };
@@ -221,9 +234,13 @@ impl Controller {
         // the same bytes while the first still writes.
         let mut plan: Vec<(u64, Option<String>)> = Vec::new();
         for gen in v.generations.keys().copied() {
-            let attached = nodes
-                .iter()
-                .any(|n| v.attachments.get(n).is_some_and(|a| a.generation == gen));
+            // A read-only attachment cannot write (the kernel refuses it on
+            // its read-only device): there is nothing to fence for it.
+            let attached = nodes.iter().any(|n| {
+                v.attachments
+                    .get(n)
+                    .is_some_and(|a| a.generation == gen && !a.readonly)
+            });
             let others = entitled(&v, gen);
             let held = writable_holders(&*self.backend, &holders, &id, gen, &|tag| {
                 target_tags.iter().any(|t| Some(t.as_str()) == tag)

@@ -7,7 +7,9 @@
 //!   a create writes its record before any data) when no loop device holds
 //!   an image in them;
 //! - snapshot directories without a record (a snapshot whose copy was made
-//!   but whose record was not written, or a delete that crashed half way).
+//!   but whose record was not written, or a delete that crashed half way);
+//! - volumes still `Creating`: their CreateVolume never answered, so no one
+//!   knows them; a retry of that CreateVolume makes the volume anew.
 
 use std::path::Path;
 
@@ -21,6 +23,20 @@ fn is_temp(name: &str) -> bool {
 
 /// Removes the leftovers described in the module docs; logs what it did.
 pub(super) fn clean(state_dir: &Path, store: &MetaStore) {
+    for v in store.volumes() {
+        if v.state != crate::backend::meta::VolumeState::Creating {
+            continue;
+        }
+        let id = v.volume_id();
+        match store.remove_volume(&id) {
+            Ok(()) => {
+                tracing::info!(volume = %id, name = %v.name, "removed a volume whose creation a crash interrupted (a retried CreateVolume makes it anew)")
+            }
+            Err(e) => {
+                tracing::warn!(volume = %id, error = %e, "cannot remove an interrupted creation")
+            }
+        }
+    }
     let held: Vec<(u64, u64)> = loopdev::list()
         .unwrap_or_default()
         .iter()

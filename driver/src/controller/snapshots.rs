@@ -113,6 +113,7 @@ impl Controller {
         self.store
             .remove_snapshot_record(&sid)
             .map_err(|e| CsiError::internal("removing snapshot metadata", e))?;
+        crate::failpoint::hit("snapshot-delete:after-record");
         self.backend.delete_snapshot(&sid)?;
         tracing::info!(snapshot = %sid, "snapshot deleted");
         Ok(DeleteSnapshotResponse {})

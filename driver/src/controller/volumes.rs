@@ -257,6 +257,7 @@ impl Controller {
         // Metadata first: a crash after this point leaves a Creating record
         // that a retry with the same name completes, so no image is orphaned.
         self.persist(&meta)?;
+        crate::failpoint::hit("create:after-record");
         let v = self.finish_create(meta)?;
         tracing::info!(volume = %v.id, name = %v.name, size = v.capacity_bytes, fs = %v.fs_type, "volume created");
         Ok(CreateVolumeResponse {
@@ -307,6 +308,7 @@ impl Controller {
         if let Some(g) = v.generations.get_mut(&1) {
             g.origin = origin;
         }
+        crate::failpoint::hit("create:after-data");
         v.state = VolumeState::Ready;
         self.persist(&v)?;
         Ok(v)
@@ -334,6 +336,7 @@ impl Controller {
             )));
         }
         self.backend.delete_volume(&id)?;
+        crate::failpoint::hit("delete:after-data");
         self.store
             .remove_volume(&id)
             .map_err(|e| CsiError::internal("removing volume metadata", e))?;

@@ -173,6 +173,11 @@ impl Node {
                 Some(m) => match m.generations.get(&gen) {
                     None => (Stale::Orphaned, None),
                     Some(g) if g.fenced_at.is_some() => (Stale::Fenced, g.fenced_node.clone()),
+                    // Only this device was fenced (the generation lives on for
+                    // another node): just as stale.
+                    Some(g) if crate::fence::is_fenced_device(&lo, m.data_bytes(gen)) => {
+                        (Stale::Fenced, g.fenced_node.clone())
+                    }
                     Some(_) => continue,
                 },
             };
@@ -191,9 +196,11 @@ impl Node {
             let ours = if !mine.is_empty() {
                 true
             } else if users.is_empty() {
-                // Nothing mounts it any more (lazily unmounted, or never mounted): ours only
-                // if the metadata says this node was the one fenced away from it.
-                why == Stale::Fenced && fenced_node.as_deref() == Some(self.node_id.as_str())
+                // Nothing mounts it any more (lazily unmounted, or never mounted): the tag
+                // says it is this node's, and a fenced one is released whoever the
+                // record names (a fence of several nodes, or of an unknown holder).
+                let _ = &fenced_node;
+                why == Stale::Fenced
             } else {
                 false // in use under another node's root
             };

@@ -126,6 +126,7 @@ impl Node {
             )));
         }
 
+        self.refuse_second_staging(&id, &staging)?;
         let lo = self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen))?;
         crate::failpoint::hit("stage:after-attach");
         if access.block {
@@ -158,7 +159,10 @@ impl Node {
         // a fence either sees this device or this attach sees its flag.
         let _fence_lock = crate::loopdev::BackingLock::on_path(image, false)
             .map_err(|e| CsiError::internal("locking the image against a concurrent fence", e))?;
-        if !readonly && crate::fsops::is_immutable(image).unwrap_or(false) {
+        if !readonly
+            && (crate::fence::marker_path(image).exists()
+                || crate::fsops::is_immutable(image).unwrap_or(false))
+        {
             return Err(CsiError::FailedPrecondition(format!(
                 "generation {gen} of volume {id} is fenced: it cannot be attached for writing"
             )));
@@ -282,11 +286,48 @@ impl Node {
             readonly,
         )
         .map_err(|e| {
-            CsiError::internal(
-                &format!("mounting {} on {}", lo.device.display(), staging.display()),
-                e,
-            )
+            let what = format!("mounting {} on {}", lo.device.display(), staging.display());
+            // EINVAL with options the caller chose: the options are at fault.
+            if e.errno() == Some(nix::errno::Errno::EINVAL) && !flags.is_empty() {
+                CsiError::InvalidArgument(format!(
+                    "{what}: the kernel refused the mount options {flags:?}: {e}"
+                ))
+            } else {
+                CsiError::internal(&what, e)
+            }
         })
+    }
+
+    /// A volume is staged at one path per node. A second staging path for a
+    /// volume that is already staged (its device mounted somewhere that is
+    /// not this path) is refused and changes nothing: two staging mounts of
+    /// one device could not both be unstaged.
+    fn refuse_second_staging(&self, id: &VolumeId, staging: &Path) -> CsiResult<()> {
+        let block_file = block_staging_file(staging, id);
+        for (lo, _) in self.loops_of(id)? {
+            let Ok((major, minor)) = rdev(&lo.device) else {
+                continue;
+            };
+            let users = mounts::mounts_of_device(major, minor)
+                .map_err(|e| CsiError::internal("reading the mount table", e))?;
+            if users.is_empty()
+                || users
+                    .iter()
+                    .any(|m| m.mount_point == staging || m.mount_point == block_file)
+            {
+                continue;
+            }
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id} is already staged on this node ({} mounted at {}); unstage it there first (nothing was changed)",
+                lo.device.display(),
+                users
+                    .iter()
+                    .map(|m| m.mount_point.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        Ok(())
     }
 
     pub(super) fn unstage(
