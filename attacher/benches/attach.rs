@@ -160,7 +160,7 @@ async fn bench(n: usize, workers: usize) {
     let env = Env::new();
     let mut pcfg = env.config(Mode::All, Some("node-a"), "all");
     pcfg.max_volumes_per_node = 0; // 1,000 attachments on one node
-    pcfg.gc_interval_secs = 3600; // no GC pass taking volume locks mid-run
+    pcfg.gc_interval = std::time::Duration::from_secs(3600); // no GC pass taking volume locks mid-run
     let (plugin, client) = InProcess::start(pcfg).await;
 
     let t = Instant::now();

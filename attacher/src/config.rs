@@ -162,28 +162,8 @@ pub fn default_identity() -> String {
     format!("{base}-{}", &suffix[..8])
 }
 
-/// Parses `500ms`, `30s`, `5m`, `1h`, or a plain number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 30s, 5m, 1h)"))?;
-    let secs = match unit {
-        "" | "s" => n,
-        "ms" => n / 1e3,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    };
-    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
-        return Err(format!("{s:?} is out of range"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
+/// The duration parser every fencecsi binary shares.
+pub use fencecsi_cluster::cli::parse_duration;
 
 #[cfg(test)]
 mod tests {
@@ -198,17 +178,6 @@ mod tests {
         assert_eq!(b.delay(9), Duration::from_secs(256));
         assert_eq!(b.delay(10), Duration::from_secs(300));
         assert_eq!(b.delay(1000), Duration::from_secs(300));
-    }
-
-    #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
-        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("3d").is_err());
     }
 
     #[test]

@@ -5,15 +5,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use fencecsi_attacher::{parse_duration, Attacher, Backoff, Config, FencePolicy, LeaderElection};
+use fencecsi_cluster::cli::{LeaderElectionArgs, LogFormat};
 use fencecsi_cluster::Cluster;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
 
 /// fencecsi VolumeAttachment controller: attaches volumes with ControllerPublishVolume,
 /// detaches them with ControllerUnpublishVolume, and fences nodes that may still be
@@ -56,35 +51,15 @@ struct Args {
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     retry_interval_max: Duration,
 
-    /// Leader election on a Lease, so that of several replicas only one acts
-    /// (`--leader-election=false` to turn it off).
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
-    leader_election: bool,
-
-    /// Namespace of the leader-election Lease.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
-    leader_election_namespace: String,
-
-    /// Name of the leader-election Lease [default: external-attacher-leader-<driver>].
-    #[arg(long)]
-    leader_election_id: Option<String>,
+    /// Leader election on a Lease, so that of several replicas only one acts. Its
+    /// Lease name defaults to external-attacher-leader-<driver>.
+    #[command(flatten)]
+    leader_election: LeaderElectionArgs,
 
     /// This replica's identity in the Lease and in events [default: $POD_NAME or the
     /// host name, plus a random suffix].
     #[arg(long)]
     identity: Option<String>,
-
-    /// How long others wait before taking over a Lease that was not renewed.
-    #[arg(long, default_value = "15s", value_parser = parse_duration)]
-    leader_election_lease_duration: Duration,
-
-    /// How long the leader keeps acting without a successful renewal.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
-    leader_election_renew_deadline: Duration,
-
-    /// Interval between attempts to acquire or renew the Lease.
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
-    leader_election_retry_period: Duration,
 
     /// Address serving /healthz and /metrics; empty to disable.
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -97,28 +72,6 @@ struct Args {
     /// Log format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = int.recv() => tracing::info!("SIGINT"),
-    }
 }
 
 fn config(args: &Args) -> Result<Config, String> {
@@ -150,12 +103,17 @@ fn config(args: &Args) -> Result<Config, String> {
                 .map_err(|e| format!("--http-endpoint {:?}: {e}", args.http_endpoint))?,
         )
     };
-    if args.leader_election {
-        let mut le = LeaderElection::new(&args.leader_election_namespace);
-        le.lease_name = args.leader_election_id.clone();
-        le.lease_duration = args.leader_election_lease_duration;
-        le.renew_deadline = args.leader_election_renew_deadline;
-        le.retry_period = args.leader_election_retry_period;
+    let e = &args.leader_election;
+    if e.enabled {
+        let ns = e
+            .namespace
+            .clone()
+            .unwrap_or_else(fencecsi_cluster::cli::own_namespace);
+        let mut le = LeaderElection::new(&ns);
+        le.lease_name = e.lease_name.clone();
+        le.lease_duration = e.lease_duration;
+        le.renew_deadline = e.renew_deadline;
+        le.retry_period = e.retry_period;
         cfg.leader_election = Some(le);
     }
     Ok(cfg)
@@ -164,7 +122,7 @@ fn config(args: &Args) -> Result<Config, String> {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    init_logging(args.log_format);
+    fencecsi_cluster::cli::init_logging(args.log_format, "info");
     let cfg = match config(&args) {
         Ok(c) => c,
         Err(e) => {
@@ -187,7 +145,10 @@ async fn main() -> std::process::ExitCode {
         }
     };
     tracing::info!(socket = %cfg.csi_socket.display(), workers = cfg.workers, fence = %cfg.fence, identity = %cfg.identity, "fencecsi-attacher starting");
-    match Attacher::new(cluster, cfg).run(shutdown_signal()).await {
+    match Attacher::new(cluster, cfg)
+        .run(fencecsi_cluster::cli::shutdown_signal("stopping"))
+        .await
+    {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "fencecsi-attacher failed");

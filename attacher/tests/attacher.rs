@@ -791,7 +791,7 @@ fn the_binary_explains_its_flags() {
         "--fence",
         "--leader-election",
         "--leader-election-namespace",
-        "--leader-election-id",
+        "--leader-election-lease-name",
         "--http-endpoint",
         "--log-format",
         "[default: unix:///csi/csi.sock]",

@@ -49,6 +49,7 @@
 //! backends (the real one only when `FENCECSI_TEST_KUBECONFIG` names a kubeconfig).
 
 mod api;
+pub mod cli;
 pub mod embedded;
 mod error;
 mod events;

@@ -56,13 +56,8 @@ fn main() {
         std::process::exit(fencecsi_drill::writer::main(&args[2..]));
     }
     let cli = Cli::parse();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "error".into()),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    // The drill prints its own progress; library logs only on errors (RUST_LOG for more).
+    fencecsi_cluster::cli::init_logging(fencecsi_cluster::cli::LogFormat::Text, "error");
     let exe = std::env::current_exe().expect("current exe");
     let mut opts = Options::new(exe);
     opts.nodes = cli.nodes as usize;

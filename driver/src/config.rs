@@ -51,11 +51,7 @@ impl Extensions {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
+pub use fencecsi_cluster::cli::{parse_duration, LogFormat};
 
 /// fencecsi CSI plugin: volumes are sparse image files under --state-dir,
 /// attached on nodes as real loop devices, with a write fence on detach.
@@ -111,9 +107,9 @@ pub struct Config {
     pub log_format: LogFormat,
 
     /// How often the controller garbage-collects fenced generations no
-    /// longer held by any loop device (seconds).
-    #[arg(long, default_value_t = 10)]
-    pub gc_interval_secs: u64,
+    /// longer held by any loop device ("10s", "2m", or plain seconds; at least 1s).
+    #[arg(long = "gc-interval", alias = "gc-interval-secs", default_value = "10s", value_parser = parse_duration)]
+    pub gc_interval: std::time::Duration,
 
     /// Node return: how often the node plugin looks for volumes whose attachment was
     /// fenced away from this node and force-releases them (mounts, globalmount dir, loop
@@ -136,29 +132,6 @@ pub struct Config {
     /// Kubeconfig for --report-node-clean (default: in-cluster config, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<std::path::PathBuf>,
-}
-
-/// Parses "10s", "500ms", "2m", "1h" or plain seconds.
-pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (like 10s, 500ms, 2m)"))?;
-    let secs = match unit.trim() {
-        "" | "s" => n,
-        "ms" => n / 1e3,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        other => return Err(format!("unknown unit {other:?} in {s:?} (ms, s, m, h)")),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("{s:?} is not a duration"));
-    }
-    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 impl Config {
@@ -211,7 +184,7 @@ impl Config {
             direct_io: false,
             advertise_extensions: Extensions::Negotiated,
             log_format: LogFormat::Text,
-            gc_interval_secs: 10,
+            gc_interval: std::time::Duration::from_secs(10),
             // Off for tests and embedders unless they ask: a background pass would race
             // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
             recover_interval: std::time::Duration::ZERO,

@@ -105,7 +105,7 @@ pub async fn serve_with(
 
     let gc_task = controller
         .as_ref()
-        .map(|c| spawn_gc(c.clone(), Duration::from_secs(cfg.gc_interval_secs.max(1))));
+        .map(|c| spawn_gc(c.clone(), cfg.gc_interval.max(Duration::from_secs(1))));
     if cfg.report_node_clean && hooks.clean_reporter.is_none() && node.is_some() {
         hooks.clean_reporter = Some(node_clean_reporter(&cfg).await?);
     }

@@ -59,7 +59,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Give up on a round after this long.
-    #[arg(long, default_value = "60s", value_parser = fencecsi_driver::config::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = fencecsi_cluster::cli::parse_duration)]
     pub timeout: Duration,
 }
 

@@ -44,8 +44,6 @@ pub mod volumes;
 
 pub use config::PodGcConfig;
 pub use controller::{disrupt_and_delete, DeleteResult, PassSummary, PodGc, PodGcHandle};
-/// The node plugin's clean report lives with the node plugin; re-exported for embedders.
-pub use fencecsi_driver::node::report::NodeCleanReporter;
 pub use metrics::Metrics;
 
 /// Annotations podgc keeps on a quarantined node besides the shared ones in

@@ -2,17 +2,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use fencecsi_cluster::{Cluster, LeaderElectionConfig};
-use fencecsi_driver::config::parse_duration;
+use clap::{Args, Parser, Subcommand};
+use fencecsi_cluster::cli::{parse_duration, LeaderElectionArgs, LogFormat};
+use fencecsi_cluster::Cluster;
 use fencecsi_podgc::{bench, PodGc, PodGcConfig};
-use tracing_subscriber::EnvFilter;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
 
 /// fencecsi podgc: force-deletes the stuck stateful pods of nodes that shut down, safely.
 ///
@@ -79,55 +72,12 @@ struct RunArgs {
     #[arg(long, default_value = "0.0.0.0:9809")]
     http_endpoint: SocketAddr,
 
-    /// Use leader election (one active replica).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    leader_elect: bool,
-
-    /// Namespace of the leader election Lease.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "kube-system")]
-    leader_elect_namespace: String,
-
-    /// Name of the leader election Lease.
-    #[arg(long, default_value = "fencecsi-podgc")]
-    leader_elect_lease_name: String,
-
-    #[arg(long, default_value = "15s", value_parser = parse_duration)]
-    leader_elect_lease_duration: Duration,
-
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
-    leader_elect_renew_deadline: Duration,
-
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
-    leader_elect_retry_period: Duration,
+    #[command(flatten)]
+    leader_election: LeaderElectionArgs,
 
     /// This instance's identity (Events, leader election); default: hostname + random.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    match format {
-        LogFormat::Json => tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .init(),
-        LogFormat::Text => tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .init(),
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("installing SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: finishing the current pass"),
-        _ = int.recv() => tracing::info!("SIGINT: finishing the current pass"),
-    }
 }
 
 async fn run(a: RunArgs) -> anyhow::Result<()> {
@@ -141,18 +91,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         max_unhealthy_fraction: a.max_unhealthy_fraction,
         out_of_service_taint: a.out_of_service_taint,
         resync_interval: a.resync_interval,
-        leader_election: a.leader_elect.then(|| {
-            LeaderElectionConfig::new(
-                &a.leader_elect_namespace,
-                &a.leader_elect_lease_name,
-                &identity,
-            )
-            .with_timing(
-                a.leader_elect_lease_duration,
-                a.leader_elect_renew_deadline,
-                a.leader_elect_retry_period,
-            )
-        }),
+        leader_election: a.leader_election.config("fencecsi-podgc", &identity),
         identity,
         ..Default::default()
     };
@@ -180,7 +119,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         let _ = rx.wait_for(|v| *v).await;
     }));
     tokio::select! {
-        _ = shutdown_signal() => {}
+        _ = fencecsi_cluster::cli::shutdown_signal("finishing the current pass") => {}
         r = http => {
             match r {
                 Ok(Err(e)) => anyhow::bail!("http endpoint {}: {e}", a.http_endpoint),
@@ -195,7 +134,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
 
 fn main() {
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
+    fencecsi_cluster::cli::init_logging(cli.log_format, "info");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

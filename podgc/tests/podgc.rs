@@ -21,10 +21,9 @@ use fencecsi_cluster::{
     WatchParams,
 };
 use fencecsi_driver::node::recover::CleanReporter;
+use fencecsi_driver::node::report::NodeCleanReporter;
 use fencecsi_podgc::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
-use fencecsi_podgc::{
-    disrupt_and_delete, DeleteResult, NodeCleanReporter, PodGc, PodGcConfig, PodGcHandle,
-};
+use fencecsi_podgc::{disrupt_and_delete, DeleteResult, PodGc, PodGcConfig, PodGcHandle};
 use futures::StreamExt;
 
 const SAFE: &str = DRIVER_NAME;
@@ -911,6 +910,6 @@ async fn out_of_service_taint_evicts_running_stateful_pods_without_waiting_for_t
             pod.metadata.deletion_timestamp.is_none(),
             "podgc itself never deletes a running pod"
         );
-        h.shutdown().await;
+        let _ = h.shutdown().await;
     }
 }

@@ -18,8 +18,8 @@ use fencecsi_cluster::well_known::{NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTAT
 use fencecsi_cluster::{Cluster, MetadataPatch};
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::node::recover::{BoxError, CleanReporter, PassReport, RecoveryHandle};
+use fencecsi_driver::node::report::NodeCleanReporter;
 use fencecsi_driver::server::{serve_with, ServeHooks};
-use fencecsi_podgc::NodeCleanReporter;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{csi, generation_path, mount_cap, require_root, wait_for_socket, Access, Env};

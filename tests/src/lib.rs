@@ -107,7 +107,7 @@ impl Env {
             kubelet,
             self.socket(socket_name),
         );
-        cfg.gc_interval_secs = 1;
+        cfg.gc_interval = Duration::from_secs(1);
         cfg
     }
 
@@ -358,8 +358,8 @@ impl Process {
             .arg(&cfg.state_dir)
             .arg("--kubelet-dir")
             .arg(&cfg.kubelet_dir);
-        cmd.arg("--gc-interval-secs")
-            .arg(cfg.gc_interval_secs.to_string());
+        cmd.arg("--gc-interval")
+            .arg(format!("{}ms", cfg.gc_interval.as_millis()));
         cmd.arg("--max-volumes-per-node")
             .arg(cfg.max_volumes_per_node.to_string())
             .arg("--default-fs-type")

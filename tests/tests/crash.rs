@@ -569,7 +569,7 @@ async fn controller_restart_leaves_exactly_what_it_lists() {
         // Set-up without failpoints: one volume to keep, one to work on, a snapshot.
         let (keep, work, snap) = {
             let (c, mut ctl) = InProcess::start(cfg.clone()).await;
-            let mut mk = |name: &'static str| {
+            let mk = |name: &'static str| {
                 let mut ctl = ctl.clone();
                 let cap = cap.clone();
                 async move {
