@@ -72,8 +72,15 @@ fn respond(req: &Request<Incoming>, metrics: &Metrics, status: &Status) -> Respo
     }
     match req.uri().path() {
         "/healthz" => {
-            // Alive as long as the run loop is: a standby replica is healthy too.
-            if status.phase == crate::Phase::Stopped {
+            // Alive as long as the run loop is and its election gets answers: a
+            // standby replica is healthy too, one forbidden from its Lease is not.
+            if status.election_failing {
+                reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    "leader election gets no answer from the API server (forbidden or unreachable)\n".into(),
+                )
+            } else if status.phase == crate::Phase::Stopped {
                 reply(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "text/plain",

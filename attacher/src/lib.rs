@@ -111,6 +111,10 @@ pub struct Status {
     /// The bound `/healthz` + `/metrics` address (the real port when 0 was asked for).
     pub http_addr: Option<SocketAddr>,
     pub identity: String,
+    /// Leader election has had no answer from the API server for
+    /// [`fencecsi_cluster::ELECTION_UNHEALTHY_AFTER`] (Forbidden, unreachable):
+    /// /healthz reports it, so a liveness probe restarts the pod.
+    pub election_failing: bool,
 }
 
 /// One attacher instance, before it runs.

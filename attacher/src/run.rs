@@ -304,8 +304,25 @@ pub(crate) async fn run(
             );
             let elector = LeaderElector::new(&cluster, lcfg)?;
             tracing::info!(namespace = %le.namespace, lease = %lease, identity = %cfg.identity, "leader election on");
+            let handle = Arc::new(elector.spawn());
+            {
+                let (h, status) = (Arc::downgrade(&handle), status.clone());
+                tokio::spawn(async move {
+                    while let Some(h) = h.upgrade() {
+                        let failing = !h.healthy(fencecsi_cluster::ELECTION_UNHEALTHY_AFTER);
+                        drop(h);
+                        status.send_if_modified(|s| {
+                            std::mem::replace(&mut s.election_failing, failing) != failing
+                        });
+                        if failing {
+                            tracing::error!("leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
+                        }
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                    }
+                });
+            }
             Leadership {
-                handle: Some(Arc::new(elector.spawn())),
+                handle: Some(handle),
                 poll: (le.retry_period / 4)
                     .clamp(Duration::from_millis(10), Duration::from_millis(100)),
             }

@@ -1,9 +1,12 @@
 //! Typed per-kind access, dispatching to the embedded or the kube backend.
 
+use std::marker::PhantomData;
+#[cfg(feature = "embedded")]
 use std::sync::Arc;
 
 use futures::stream::BoxStream;
 
+#[cfg(feature = "embedded")]
 use crate::embedded::{KindStore, Matcher};
 use crate::error::{Error, Result};
 use crate::kube_backend;
@@ -18,15 +21,18 @@ use crate::params::{
 pub type WatchStream<K> = BoxStream<'static, WatchEvent<K>>;
 
 pub(crate) enum Backend<K: Object> {
+    #[cfg(feature = "embedded")]
     Embedded(Arc<KindStore<K>>),
-    Kube(kube::Client),
+    /// The `PhantomData` keeps `K` used when the embedded backend is compiled out.
+    Kube(kube::Client, PhantomData<fn() -> K>),
 }
 
 impl<K: Object> Clone for Backend<K> {
     fn clone(&self) -> Self {
         match self {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => Backend::Embedded(s.clone()),
-            Backend::Kube(c) => Backend::Kube(c.clone()),
+            Backend::Kube(c, _) => Backend::Kube(c.clone(), PhantomData),
         }
     }
 }
@@ -54,8 +60,9 @@ impl<K: Object> Clone for Api<K> {
 impl<K: Object> std::fmt::Debug for Api<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let backend = match self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(_) => "embedded",
-            Backend::Kube(_) => "kube",
+            Backend::Kube(..) => "kube",
         };
         write!(
             f,
@@ -94,8 +101,9 @@ impl<K: Object> Api<K> {
     pub async fn get(&self, name: &str) -> Result<K> {
         let ns = self.target_ns(None)?;
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => s.get(&ns, name),
-            Backend::Kube(c) => Ok(Self::kube_api(c, &ns).get(name).await?),
+            Backend::Kube(c, _) => Ok(Self::kube_api(c, &ns).get(name).await?),
         }
     }
 
@@ -129,6 +137,7 @@ impl<K: Object> Api<K> {
         filter: &(dyn Fn(&K) -> bool + Send + Sync),
     ) -> Result<ObjectList<K>> {
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => {
                 let m = Matcher::new::<K>(
                     self.namespace.as_deref(),
@@ -141,7 +150,7 @@ impl<K: Object> Api<K> {
                     resource_version,
                 })
             }
-            Backend::Kube(c) => {
+            Backend::Kube(c, _) => {
                 let api = K::kube_api(c.clone(), self.namespace.as_deref());
                 let (items, resource_version) = kube_backend::list(&api, params, filter).await?;
                 Ok(ObjectList {
@@ -157,8 +166,9 @@ impl<K: Object> Api<K> {
     pub async fn create(&self, obj: &K) -> Result<K> {
         let ns = self.target_ns(obj.metadata().namespace.as_deref())?;
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => s.create(&ns, obj),
-            Backend::Kube(c) => kube_backend::create(&Self::kube_api(c, &ns), obj).await,
+            Backend::Kube(c, _) => kube_backend::create(&Self::kube_api(c, &ns), obj).await,
         }
     }
 
@@ -168,8 +178,9 @@ impl<K: Object> Api<K> {
     pub async fn replace(&self, obj: &K) -> Result<K> {
         let ns = self.target_ns(obj.metadata().namespace.as_deref())?;
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => s.replace(&ns, obj),
-            Backend::Kube(c) => kube_backend::replace(&Self::kube_api(c, &ns), obj).await,
+            Backend::Kube(c, _) => kube_backend::replace(&Self::kube_api(c, &ns), obj).await,
         }
     }
 
@@ -179,8 +190,9 @@ impl<K: Object> Api<K> {
     pub async fn patch_metadata(&self, name: &str, patch: &MetadataPatch) -> Result<K> {
         let ns = self.target_ns(None)?;
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => s.patch_metadata(&ns, name, patch),
-            Backend::Kube(c) => {
+            Backend::Kube(c, _) => {
                 kube_backend::patch_metadata(&Self::kube_api(c, &ns), name, patch).await
             }
         }
@@ -189,14 +201,16 @@ impl<K: Object> Api<K> {
     pub async fn delete(&self, name: &str, opts: &DeleteOptions) -> Result<DeleteOutcome<K>> {
         let ns = self.target_ns(None)?;
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => s.delete(&ns, name, opts),
-            Backend::Kube(c) => kube_backend::delete(&Self::kube_api(c, &ns), name, opts).await,
+            Backend::Kube(c, _) => kube_backend::delete(&Self::kube_api(c, &ns), name, opts).await,
         }
     }
 
     /// Watches this `Api`'s namespace (or all). See [`WatchParams`] and [`WatchEvent`].
     pub fn watch(&self, params: &WatchParams) -> Result<WatchStream<K>> {
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => {
                 let m = Matcher::new::<K>(
                     self.namespace.as_deref(),
@@ -205,7 +219,7 @@ impl<K: Object> Api<K> {
                 )?;
                 s.clone().watch(m, params.resource_version.as_deref())
             }
-            Backend::Kube(c) => Ok(kube_backend::watch(
+            Backend::Kube(c, _) => Ok(kube_backend::watch(
                 K::kube_api(c.clone(), self.namespace.as_deref()),
                 params,
             )),
@@ -219,8 +233,9 @@ impl<K: HasStatus> Api<K> {
     pub async fn replace_status(&self, obj: &K) -> Result<K> {
         let ns = self.target_ns(obj.metadata().namespace.as_deref())?;
         match &self.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded(s) => s.replace_status(&ns, obj),
-            Backend::Kube(c) => kube_backend::replace_status(&Self::kube_api(c, &ns), obj).await,
+            Backend::Kube(c, _) => kube_backend::replace_status(&Self::kube_api(c, &ns), obj).await,
         }
     }
 }

@@ -81,6 +81,10 @@ struct State {
     observed_at: Instant,
     /// When the last successful acquire/renew request was sent; `None` when not leading.
     renewed_at: Option<Instant>,
+    /// When a round last reached the API server and got an answer it could act on
+    /// (leading or not); a candidate that is refused (Forbidden, wrong namespace) or
+    /// cannot connect stops advancing it.
+    answered_at: Instant,
 }
 
 /// One candidate. Use [`LeaderElector::spawn`] for the background loop, or drive it with
@@ -119,6 +123,7 @@ impl LeaderElector {
                 observed_rv: None,
                 observed_at: Instant::now(),
                 renewed_at: None,
+                answered_at: Instant::now(),
             }),
         })
     }
@@ -138,6 +143,11 @@ impl LeaderElector {
         self.state()
             .renewed_at
             .is_some_and(|t| t.elapsed() < self.cfg.renew_deadline)
+    }
+
+    /// How long rounds have been failing (zero right after an answered one).
+    pub fn failing_for(&self) -> Duration {
+        self.state().answered_at.elapsed()
     }
 
     /// One round: acquire the lease if it is free or expired, renew it if we hold it.
@@ -261,7 +271,7 @@ impl LeaderElector {
             let attempt_timeout = e.cfg.renew_deadline;
             loop {
                 match tokio::time::timeout(attempt_timeout, e.try_acquire_or_renew()).await {
-                    Ok(Ok(_)) => {}
+                    Ok(Ok(_)) => e.state().answered_at = Instant::now(),
                     Ok(Err(err)) => {
                         tracing::warn!(lease = %e.cfg.lease_name, error = %err, "lease acquire/renew failed")
                     }
@@ -270,7 +280,13 @@ impl LeaderElector {
                     }
                 }
                 let leading = e.is_leader();
-                tx.send_if_modified(|v| std::mem::replace(v, leading) != leading);
+                if tx.send_if_modified(|v| std::mem::replace(v, leading) != leading) {
+                    if leading {
+                        tracing::info!(lease = %e.cfg.lease_name, namespace = %e.cfg.namespace, identity = %e.cfg.identity, "became the leader");
+                    } else {
+                        tracing::warn!(lease = %e.cfg.lease_name, namespace = %e.cfg.namespace, identity = %e.cfg.identity, "no longer the leader");
+                    }
+                }
                 tokio::select! {
                     _ = &mut stop_rx => break,
                     _ = tokio::time::sleep(e.cfg.retry_period) => {}
@@ -292,6 +308,12 @@ impl LeaderElector {
     }
 }
 
+/// How long an election may go without an answer from the API server before
+/// the process reports itself unhealthy (see [`LeaderHandle::healthy`]): long
+/// enough to ride out an API-server restart, short enough that a Forbidden
+/// lease (missing RBAC, wrong namespace) is noticed within minutes.
+pub const ELECTION_UNHEALTHY_AFTER: Duration = Duration::from_secs(120);
+
 /// The running election loop of one candidate.
 pub struct LeaderHandle {
     elector: Arc<LeaderElector>,
@@ -305,6 +327,14 @@ impl LeaderHandle {
     /// action that only the leader may take.
     pub fn is_leader(&self) -> bool {
         self.elector.is_leader()
+    }
+
+    /// Whether the election can do its job: its rounds got an answer from the API
+    /// server within `limit`. A candidate forbidden from its Lease (RBAC, wrong
+    /// namespace) or cut off from the API server turns unhealthy, so that a
+    /// liveness probe restarts it instead of it waiting forever.
+    pub fn healthy(&self, limit: Duration) -> bool {
+        self.elector.failing_for() < limit
     }
 
     pub fn elector(&self) -> &LeaderElector {

@@ -2,11 +2,13 @@
 //! backends.
 //!
 //! - [`Cluster::kube`]: a real API server through kube-rs (production).
-//! - [`Cluster::embedded`]: an in-memory cluster with the Kubernetes semantics the
-//!   controllers rely on (resourceVersion conflicts, finalizers, deletionTimestamp and pod
-//!   grace periods, force delete, delete preconditions, status subresource, ordered watches
-//!   with bounded memory). Tests, benchmarks and the local drill run the unchanged
-//!   controllers on it. See [`embedded`] for the rules it follows.
+//! - `Cluster::embedded` (feature `embedded`, off by default): an in-memory cluster with
+//!   the Kubernetes semantics the controllers rely on (resourceVersion conflicts,
+//!   finalizers, deletionTimestamp and pod grace periods, force delete, delete
+//!   preconditions, status subresource, ordered watches with bounded memory). Tests,
+//!   benchmarks and the local drill run the unchanged controllers on it; the production
+//!   binaries are built without it, and without the kubelet/controller simulations of
+//!   `sim` that come with it. See the `embedded` module for the rules it follows.
 //!
 //! Objects are k8s-openapi types (Kubernetes 1.37 API): Node, Pod, PersistentVolume,
 //! PersistentVolumeClaim, VolumeAttachment, CSINode, CSIDriver, Lease
@@ -16,40 +18,44 @@
 //! A controller is written once against [`Cluster`] and [`Api`]:
 //!
 //! ```no_run
-//! # async fn f() -> fencecsi_cluster::Result<()> {
 //! use fencecsi_cluster::k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeAttachmentStatus};
 //! use fencecsi_cluster::{Cluster, MetadataPatch, WatchEvent, WatchParams};
 //! use futures::StreamExt;
 //! const FIN: &str = "external-attacher/fencecsi.example.com";
 //!
-//! let cluster = Cluster::embedded(); // production: Cluster::kube(kube::Client::try_default().await?)
-//! let vas = cluster.api::<VolumeAttachment>(None);
-//! let mut events = vas.watch(&WatchParams::default())?; // Listed(all), then changes
-//! while let Some(ev) = events.next().await {
-//!     let (WatchEvent::Added(va) | WatchEvent::Modified(va)) = ev else { continue };
-//!     let name = va.metadata.name.clone().unwrap_or_default();
-//!     if va.metadata.deletion_timestamp.is_some() {
-//!         // ... ControllerUnpublishVolume(fence = true) ..., then let the object go:
-//!         vas.patch_metadata(&name, &MetadataPatch::new().remove_finalizer(FIN)).await?;
-//!     } else if !va.status.as_ref().is_some_and(|s| s.attached) {
-//!         vas.patch_metadata(&name, &MetadataPatch::new().add_finalizer(FIN)).await?;
-//!         // ... ControllerPublishVolume ...
-//!         let mut done = vas.get(&name).await?;
-//!         done.status = Some(VolumeAttachmentStatus { attached: true, ..Default::default() });
-//!         match vas.replace_status(&done).await {
-//!             Err(e) if e.is_conflict() => continue, // changed meanwhile: the next event retries
-//!             other => { other?; }
+//! // Production: `Cluster::kube(kube::Client::try_default().await?)`; tests, benchmarks and
+//! // the drill: `Cluster::embedded()` (feature `embedded`).
+//! async fn attach_loop(cluster: &Cluster) -> fencecsi_cluster::Result<()> {
+//!     let vas = cluster.api::<VolumeAttachment>(None);
+//!     let mut events = vas.watch(&WatchParams::default())?; // Listed(all), then changes
+//!     while let Some(ev) = events.next().await {
+//!         let (WatchEvent::Added(va) | WatchEvent::Modified(va)) = ev else { continue };
+//!         let name = va.metadata.name.clone().unwrap_or_default();
+//!         if va.metadata.deletion_timestamp.is_some() {
+//!             // ... ControllerUnpublishVolume(fence = true) ..., then let the object go:
+//!             vas.patch_metadata(&name, &MetadataPatch::new().remove_finalizer(FIN)).await?;
+//!         } else if !va.status.as_ref().is_some_and(|s| s.attached) {
+//!             vas.patch_metadata(&name, &MetadataPatch::new().add_finalizer(FIN)).await?;
+//!             // ... ControllerPublishVolume ...
+//!             let mut done = vas.get(&name).await?;
+//!             done.status = Some(VolumeAttachmentStatus { attached: true, ..Default::default() });
+//!             match vas.replace_status(&done).await {
+//!                 Err(e) if e.is_conflict() => continue, // changed meanwhile: the next event retries
+//!                 other => { other?; }
+//!             }
 //!         }
 //!     }
+//!     Ok(())
 //! }
-//! # Ok(()) }
 //! ```
 //!
 //! Tests of this crate's own contract live in `tests/contract.rs` and run against both
-//! backends (the real one only when `FENCECSI_TEST_KUBECONFIG` names a kubeconfig).
+//! backends (the embedded one with `--features embedded`, the real one only when
+//! `FENCECSI_TEST_KUBECONFIG` names a kubeconfig).
 
 mod api;
 pub mod cli;
+#[cfg(feature = "embedded")]
 pub mod embedded;
 mod error;
 mod events;
@@ -58,17 +64,20 @@ mod leader;
 mod object;
 mod params;
 mod selector;
+#[cfg(feature = "embedded")]
 pub mod sim;
 pub mod well_known;
 
 use std::path::Path;
+#[cfg(feature = "embedded")]
 use std::sync::Arc;
 
 pub use api::{Api, WatchStream};
+#[cfg(feature = "embedded")]
 pub use embedded::EmbeddedConfig;
 pub use error::{Error, Result};
 pub use events::{object_ref, EventRecorder, EventType};
-pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle};
+pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle, ELECTION_UNHEALTHY_AFTER};
 pub use object::{HasStatus, Object};
 pub use params::{
     DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, Preconditions, WatchEvent,
@@ -80,10 +89,12 @@ pub use selector::{FieldSelector, LabelSelector};
 pub use k8s_openapi;
 pub use kube;
 
+#[cfg(feature = "embedded")]
 use embedded::Embedded;
 
 #[derive(Clone)]
 enum Inner {
+    #[cfg(feature = "embedded")]
     Embedded(Arc<Embedded>),
     Kube(kube::Client),
 }
@@ -96,20 +107,22 @@ pub struct Cluster {
 
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.is_embedded() {
-            "Cluster(embedded)"
-        } else {
-            "Cluster(kube)"
+        f.write_str(match self.inner {
+            #[cfg(feature = "embedded")]
+            Inner::Embedded(_) => "Cluster(embedded)",
+            Inner::Kube(_) => "Cluster(kube)",
         })
     }
 }
 
 impl Cluster {
     /// A fresh, empty in-memory cluster.
+    #[cfg(feature = "embedded")]
     pub fn embedded() -> Self {
         Self::embedded_with(EmbeddedConfig::default())
     }
 
+    #[cfg(feature = "embedded")]
     pub fn embedded_with(config: EmbeddedConfig) -> Self {
         Cluster {
             inner: Inner::Embedded(Arc::new(Embedded::new(config))),
@@ -136,6 +149,7 @@ impl Cluster {
         Ok(Self::kube(client))
     }
 
+    #[cfg(feature = "embedded")]
     pub fn is_embedded(&self) -> bool {
         matches!(self.inner, Inner::Embedded(_))
     }
@@ -144,8 +158,9 @@ impl Cluster {
     /// `None` on a namespaced kind means all namespaces for list/watch).
     pub fn api<K: Object>(&self, namespace: Option<&str>) -> Api<K> {
         let backend = match &self.inner {
+            #[cfg(feature = "embedded")]
             Inner::Embedded(e) => api::Backend::Embedded(e.kind::<K>()),
-            Inner::Kube(c) => api::Backend::Kube(c.clone()),
+            Inner::Kube(c) => api::Backend::Kube(c.clone(), std::marker::PhantomData),
         };
         let namespace = if K::NAMESPACED {
             namespace.map(str::to_string)
@@ -157,6 +172,7 @@ impl Cluster {
 
     /// Embedded only: how many objects of kind `K` are stored (all namespaces). `None`
     /// on a real cluster. For tests and benchmarks.
+    #[cfg(feature = "embedded")]
     pub fn embedded_count<K: Object>(&self) -> Option<usize> {
         match &self.inner {
             Inner::Embedded(e) => Some(e.kind::<K>().len()),

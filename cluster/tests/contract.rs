@@ -901,6 +901,7 @@ async fn run_contract(cluster: Cluster, ns: &str) -> Result<()> {
     }
 }
 
+#[cfg(feature = "embedded")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contract_embedded() {
     run_contract(Cluster::embedded(), "default").await.unwrap();

@@ -440,7 +440,7 @@ async fn concurrent_writers_lose_no_update() {
 
 /// Loads the benchmark's scale (5,000 nodes, 150,000 pods) and times the calls a pod GC
 /// makes. Ignored by default (about a minute in a debug build); run with
-/// `cargo test -p fencecsi-cluster --test embedded -- --ignored --nocapture`.
+/// `cargo test -p fencecsi-cluster --features embedded --test embedded -- --ignored --nocapture`.
 #[tokio::test]
 #[ignore]
 async fn scale_5000_nodes_150000_pods() {

@@ -135,14 +135,7 @@ type CodeDirs = &'static [(
 /// The driver directory is the node plugin's: the controller plugin has no cluster client.
 const CODE: CodeDirs = &[
     ("attacher", "attacher/src", &[]),
-    (
-        "podgc",
-        "podgc/src",
-        &[(
-            "bench.rs",
-            "the `bench` subcommand, on an embedded cluster only",
-        )],
-    ),
+    ("podgc", "podgc/src", &[]),
     ("node", "driver/src", &[]),
 ];
 
@@ -1146,12 +1139,6 @@ fn the_rbac_table_covers_every_kind_the_code_uses() {
                 .into_owned();
             let src = read(&file);
             if let Some((_, why)) = skipped.iter().find(|(f, _)| *f == rel) {
-                if rel == "bench.rs" {
-                    assert!(
-                        !src.contains("Cluster::kube") && !src.contains("from_kubeconfig"),
-                        "podgc/src/bench.rs now talks to a real cluster: count it for RBAC"
-                    );
-                }
                 eprintln!("{component}: not counted: {dir}/{rel} ({why})");
                 continue;
             }
@@ -2105,4 +2092,112 @@ fn dockerfile_builds_every_binary_the_manifests_run_with_the_tools_they_need() {
         !last_user.contains(" 0") && !last_user.contains("root"),
         "the image's default user is not root: {last_user}"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// What the production binaries are built from
+// ---------------------------------------------------------------------------------------
+
+/// Workspace packages by name, from `cargo metadata --no-deps` (the manifests as written,
+/// without resolving anything).
+fn workspace_packages() -> BTreeMap<String, Value> {
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .current_dir(repo_root())
+        .output()
+        .expect("running cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata JSON");
+    meta["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .map(|p| (p["name"].as_str().expect("name").to_string(), p.clone()))
+        .collect()
+}
+
+/// A package's normal dependencies (`kind` null: not dev, not build).
+fn normal_deps(pkg: &Value) -> Vec<&Value> {
+    pkg["dependencies"]
+        .as_array()
+        .expect("dependencies")
+        .iter()
+        .filter(|d| d["kind"].is_null())
+        .collect()
+}
+
+/// The embedded cluster and the kubelet/controller simulations (fencecsi-cluster's
+/// `embedded` feature) are for tests, benchmarks and the drill. `cargo build -p` of the
+/// three binaries (deploy/Dockerfile) resolves features from their normal dependencies
+/// only, so none of those may turn the feature on, directly or through another workspace
+/// crate; and the controllers depend only downward (protocol, cluster seam), never on the
+/// driver, the test harness or the drill, which would drag test code in.
+#[test]
+fn production_binaries_build_without_the_embedded_cluster() {
+    const CLUSTER: &str = "fencecsi-cluster";
+    const EMBEDDED: &str = "embedded";
+    let pkgs = workspace_packages();
+    let mut errors = Vec::new();
+
+    let cluster = &pkgs[CLUSTER];
+    assert!(
+        cluster["features"][EMBEDDED].is_array(),
+        "{CLUSTER} has no `{EMBEDDED}` feature: this test checks the wrong thing"
+    );
+    if cluster["features"]["default"]
+        .as_array()
+        .is_some_and(|d| d.iter().any(|f| f == EMBEDDED))
+    {
+        errors.push(format!("{CLUSTER}: `{EMBEDDED}` is a default feature"));
+    }
+
+    for bin in FENCECSI_BINARIES {
+        // Every workspace crate the binary's package reaches through normal dependencies.
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![bin.to_string()];
+        while let Some(name) = todo.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let pkg = &pkgs[&name];
+            for (feature, enables) in pkg["features"].as_object().into_iter().flatten() {
+                for e in enables.as_array().into_iter().flatten() {
+                    let e = e.as_str().unwrap_or("");
+                    if e == format!("{CLUSTER}/{EMBEDDED}") || e == format!("{CLUSTER}?/{EMBEDDED}")
+                    {
+                        errors.push(format!("{bin}: {name}'s feature `{feature}` turns on {e}"));
+                    }
+                }
+            }
+            for dep in normal_deps(pkg) {
+                let dep_name = dep["name"].as_str().expect("dependency name");
+                let features = dep["features"].as_array().expect("dependency features");
+                if dep_name == CLUSTER && features.iter().any(|f| f == EMBEDDED) {
+                    errors.push(format!(
+                        "{bin}: {name} depends on {CLUSTER} with the `{EMBEDDED}` feature (make it a dev-dependency)"
+                    ));
+                }
+                if pkgs.contains_key(dep_name) {
+                    todo.push(dep_name.to_string());
+                }
+            }
+        }
+    }
+
+    let allowed: BTreeSet<&str> = ["fencecsi-proto", CLUSTER].into();
+    for controller in ["fencecsi-attacher", "fencecsi-podgc"] {
+        for dep in normal_deps(&pkgs[controller]) {
+            let dep_name = dep["name"].as_str().expect("dependency name");
+            if dep_name.starts_with("fencecsi-") && !allowed.contains(dep_name) {
+                errors.push(format!(
+                    "{controller} depends on {dep_name}: the controllers depend only on {allowed:?} (test-only crates go in [dev-dependencies])"
+                ));
+            }
+        }
+    }
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
 }

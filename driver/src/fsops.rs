@@ -145,7 +145,13 @@ pub fn can_reflink(dir: &Path) -> bool {
     let a = dir.join(format!(".reflink-probe-{}", std::process::id()));
     let b = a.with_extension("clone");
     let ok = (|| -> io::Result<bool> {
-        let src = File::create(&a)?;
+        // The source of FICLONE must be open for reading.
+        let src = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&a)?;
         src.set_len(4096)?;
         let dst = File::create(&b)?;
         // SAFETY: both fds valid for the call.
@@ -261,6 +267,16 @@ pub fn allocated_bytes(path: &Path) -> io::Result<u64> {
 mod tests {
     use super::*;
     use std::io::{Seek, SeekFrom};
+
+    #[test]
+    fn reflink_support_is_detected() {
+        // The temp dir's filesystem decides; the answer must match a real clone.
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("s");
+        std::fs::write(&src, b"data").unwrap();
+        let kind = clone_file(&src, &dir.path().join("d"), 4, 4).unwrap();
+        assert_eq!(can_reflink(dir.path()), kind == CloneKind::Reflink);
+    }
 
     #[test]
     fn sparse_clone_keeps_data_and_holes() {

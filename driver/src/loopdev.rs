@@ -1154,4 +1154,50 @@ mod tests {
         drop(hold);
         assert!(wait_unbound(&marked));
     }
+
+    /// A node's detach of a busy device (which only sets autoclear) racing a
+    /// fence's remap (which rewrites the flags it read) must never leave the
+    /// device bound after its last user closed it: both hold the backing
+    /// file's lock. Without the lock the same race is counted, as a control
+    /// that the test exercises the window (not asserted: timing-dependent).
+    #[test]
+    fn loopdev_detach_racing_a_remap_never_lingers() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "race.img", 4 * MIB);
+        let rounds = 40;
+        let mut lost_without_lock = 0;
+        for locked in [true, false] {
+            for round in 0..rounds {
+                let g = LoopGuard::attach(
+                    &img,
+                    &AttachOptions {
+                        tag: test_tag("race"),
+                        ..Default::default()
+                    },
+                );
+                let hold = File::open(g.path()).unwrap();
+                let (dev, file) = (g.0.device.clone(), img.clone());
+                let remapper = std::thread::spawn(move || {
+                    for _ in 0..4 {
+                        let _l = locked.then(|| BackingLock::on_path(&file, true).unwrap());
+                        let Ok(now) = status(&dev) else { return };
+                        let _ = remap(&dev, now.offset, now.size_limit);
+                    }
+                });
+                detach(g.path()).unwrap();
+                remapper.join().unwrap();
+                drop(hold);
+                let gone = wait_unbound(&g.0);
+                if locked {
+                    assert!(gone, "round {round}: the device lingers after a detach raced a remap");
+                } else if !gone {
+                    lost_without_lock += 1;
+                    let _ = detach(g.path());
+                    assert!(wait_unbound(&g.0));
+                }
+            }
+        }
+        eprintln!("MEASURE detach vs remap without the lock: {lost_without_lock} of {rounds} devices lingered");
+    }
 }

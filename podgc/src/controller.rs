@@ -40,6 +40,7 @@ use fencecsi_cluster::well_known::{
 use fencecsi_cluster::{
     object_ref, Cluster, DeleteOptions, DeleteOutcome, EventRecorder, EventType, LeaderElector,
     LeaderHandle, ListParams, MetadataPatch, WatchEvent, WatchParams, WatchStream,
+    ELECTION_UNHEALTHY_AFTER,
 };
 use futures::StreamExt;
 use tokio::sync::{oneshot, watch};
@@ -601,7 +602,14 @@ impl PodGc {
         let mut next_pass = far;
         tokio::pin!(shutdown);
         loop {
-            self.liveness.stamp();
+            // Alive only while the election can work: a Lease it may not touch
+            // must turn /healthz red, not leave a standby that never leads.
+            match leader.as_ref() {
+                Some(l) if !l.healthy(ELECTION_UNHEALTHY_AFTER) => {
+                    tracing::error!(failing_for = ?l.elector().failing_for(), "leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
+                }
+                _ => self.liveness.stamp(),
+            }
             if r.caches.synced() && next_pass == far {
                 next_pass = tokio::time::Instant::now();
             }

@@ -30,12 +30,12 @@
 //!    network, not the nodes).
 //!
 //! The same code runs on a real API server ([`fencecsi_cluster::Cluster::kube`]) and on the
-//! embedded cluster (tests, the benchmark, the drill). It keeps small projections of Nodes,
-//! node Leases, VolumeAttachments and CSIDrivers from watches, and lists pods only for the
-//! nodes it acts on, through the `spec.nodeName` field selector (indexed in the embedded
-//! cluster, served from the watch cache by a real API server): no full pod list, ever.
+//! embedded cluster (tests, the benchmark in `benches/scale.rs`, the drill). It keeps small
+//! projections of Nodes, node Leases, VolumeAttachments and CSIDrivers from watches, and
+//! lists pods only for the nodes it acts on, through the `spec.nodeName` field selector
+//! (indexed in the embedded cluster, served from the watch cache by a real API server): no
+//! full pod list, ever.
 
-pub mod bench;
 pub mod config;
 pub mod controller;
 pub mod http;

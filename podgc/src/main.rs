@@ -2,10 +2,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser};
 use fencecsi_cluster::cli::{parse_duration, LeaderElectionArgs, LogFormat};
 use fencecsi_cluster::Cluster;
-use fencecsi_podgc::{bench, PodGc, PodGcConfig};
+use fencecsi_podgc::{PodGc, PodGcConfig};
 
 /// fencecsi podgc: force-deletes the stuck stateful pods of nodes that shut down, safely.
 ///
@@ -17,25 +17,14 @@ use fencecsi_podgc::{bench, PodGc, PodGcConfig};
 /// DisruptionTarget condition, and their VolumeAttachments are deleted so the attacher
 /// detaches them with a write fence. The quarantine is lifted once the node is Ready,
 /// holds no such VolumeAttachment, and its node plugin reported it clean.
-///
-/// Without a subcommand, runs the controller.
 #[derive(Debug, Parser)]
 #[command(name = "fencecsi-podgc", version, about, long_about)]
 struct Cli {
-    #[command(subcommand)]
-    cmd: Option<Cmd>,
     #[command(flatten)]
     run: RunArgs,
     /// Log format.
-    #[arg(long, value_enum, default_value = "text", global = true)]
+    #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
-}
-
-#[derive(Debug, Subcommand)]
-enum Cmd {
-    /// Measure podgc on an embedded cluster (5,000 nodes, 150,000 pods by default)
-    /// against a naive full-list scan.
-    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -139,14 +128,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let result = rt.block_on(async move {
-        match cli.cmd {
-            Some(Cmd::Bench(b)) => bench::run(b).await.map(|report| {
-                println!("{report}");
-            }),
-            None => run(cli.run).await,
-        }
-    });
+    let result = rt.block_on(run(cli.run));
     if let Err(e) = result {
         tracing::error!(error = %e, "fencecsi-podgc failed");
         eprintln!("fencecsi-podgc: {e:#}");

@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod records;
 pub mod rig;
+pub mod writer;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -1117,3 +1117,108 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
     plugin.stop().await;
     env.assert_clean();
 }
+
+/// A volume already staged is refused at a second staging path (FAILED_PRECONDITION,
+/// nothing changed, and the first staging still unstages). Mount options the kernel can
+/// never take are INVALID_ARGUMENT before anything is attached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_staging_path_and_impossible_mount_options_change_nothing() {
+    require_root!();
+    let env = Env::new();
+    let (_p, mut c) = start(&env).await;
+    for (cap, what) in [
+        (mount_cap(Access::SingleNodeWriter, "ext4"), "ext4"),
+        (block_cap(Access::SingleNodeWriter), "block"),
+    ] {
+        let id = create(&mut c, &format!("twice-{what}"), 32 << 20, &cap).await;
+        let ctx = cpublish(&mut c, &id, &cap).await;
+        let first = env.staging_path("node-a", &id);
+        let stage = |path: &Path| csi::NodeStageVolumeRequest {
+            volume_id: id.clone(),
+            publish_context: ctx.clone(),
+            staging_target_path: s(path),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        };
+        // Positive control: the first staging works, and is idempotent.
+        c.node.node_stage_volume(stage(&first)).await.unwrap();
+        c.node.node_stage_volume(stage(&first)).await.unwrap();
+        let second = first.parent().unwrap().join("second-globalmount");
+        let before = world(&env, &[]);
+        let err = c.node.node_stage_volume(stage(&second)).await.unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition, "{what}: {err:?}");
+        assert!(
+            err.message().contains(&s(&first)) || err.message().contains("already staged"),
+            "{what}: names the staging: {}",
+            err.message()
+        );
+        assert_same(
+            &before,
+            &world(&env, &[]),
+            &format!("{what}: second staging path"),
+        );
+        teardown(&mut c, &id, &first, &[]).await;
+    }
+
+    let id = create(
+        &mut c,
+        "bad-options",
+        32 << 20,
+        &mount_cap(Access::SingleNodeWriter, "ext4"),
+    )
+    .await;
+    let good = mount_cap(Access::SingleNodeWriter, "ext4");
+    let ctx = cpublish(&mut c, &id, &good).await;
+    let staging = env.staging_path("node-a", &id);
+    for flags in [
+        vec!["X-mount.mkdir".to_string()],
+        vec!["x-systemd.automount".to_string()],
+        vec!["nofail".to_string()],
+        vec!["context=system_u:object_r:container_file_t:s0".to_string()],
+        vec!["noatime,X-mount.mode=0755".to_string()],
+        vec!["".to_string()],
+    ] {
+        if flags[0].starts_with("context=") && Path::new("/sys/fs/selinux/enforce").exists() {
+            continue; // with SELinux the kernel may take it
+        }
+        let cap = cap_with(
+            Some(Access::SingleNodeWriter),
+            mount_type("ext4", flags.clone(), ""),
+        );
+        let before = world(&env, &[]);
+        let err = c
+            .node
+            .node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: id.clone(),
+                publish_context: ctx.clone(),
+                staging_target_path: s(&staging),
+                volume_capability: Some(cap),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{flags:?}: {err:?}");
+        assert_same(
+            &before,
+            &world(&env, &[]),
+            &format!("mount options {flags:?}"),
+        );
+    }
+    // Positive control: kernel options that exist are taken.
+    let ok = cap_with(
+        Some(Access::SingleNodeWriter),
+        mount_type("ext4", vec!["noatime".into()], ""),
+    );
+    c.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: id.clone(),
+            publish_context: ctx.clone(),
+            staging_target_path: s(&staging),
+            volume_capability: Some(ok),
+            ..Default::default()
+        })
+        .await
+        .expect("noatime is a real option");
+    teardown(&mut c, &id, &staging, &[]).await;
+    assert!(env.loops().is_empty() && env.mounts().is_empty());
+}

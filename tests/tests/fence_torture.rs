@@ -15,16 +15,16 @@
 //! Runs per backing filesystem: FENCECSI_TORTURE_RUNS (default 30), run in
 //! batches of five at once. Seed: FENCECSI_TORTURE_SEED.
 
-use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencecsi_tests::records::{missing, RECORD_SIZE};
 use fencecsi_tests::rig::{Rig, Rng};
+use fencecsi_tests::writer::Writer;
 use fencecsi_tests::{
     block_cap, generation_path, monotonic_ns, mount_cap, region_hash, require_root, Access, Env,
 };
@@ -32,94 +32,6 @@ use fencecsi_tests::{
 const BATCH: usize = 5;
 /// Where the writer's scratch area starts (inside every volume size used).
 const SCRATCH_AT: u64 = 40 << 20;
-
-/// Acknowledged records (seq, CLOCK_MONOTONIC ns) and errors, as the writer reports them.
-#[derive(Default)]
-struct WriterLog {
-    acks: Mutex<Vec<(u64, u64)>>,
-    errors: Mutex<Vec<(u64, i32, u64)>>,
-}
-
-struct Writer {
-    child: std::process::Child,
-    log: Arc<WriterLog>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Writer {
-    fn start(path: &Path, direct: bool) -> Writer {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencecsi-writer"));
-        cmd.arg(path)
-            .args(["--max-errors", "100000", "--churn", &SCRATCH_AT.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        if direct {
-            cmd.arg("--direct");
-        }
-        let mut child = cmd.spawn().expect("spawning the writer");
-        let out = child.stdout.take().unwrap();
-        let log = Arc::new(WriterLog::default());
-        let l = log.clone();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let mut parts = line.split_whitespace();
-                let kind = parts.next();
-                let seq = parts.next().and_then(|s| s.parse::<u64>().ok());
-                let third = parts.next().and_then(|s| s.parse::<i64>().ok());
-                match (kind, seq) {
-                    (Some("ok"), Some(seq)) => l
-                        .acks
-                        .lock()
-                        .unwrap()
-                        .push((seq, third.unwrap_or(0) as u64)),
-                    (Some("err"), Some(seq)) => l.errors.lock().unwrap().push((
-                        seq,
-                        third.unwrap_or(0) as i32,
-                        monotonic_ns(),
-                    )),
-                    _ => {}
-                }
-            }
-        });
-        Writer {
-            child,
-            log,
-            reader: Some(reader),
-        }
-    }
-
-    fn acked(&self) -> u64 {
-        self.log.acks.lock().unwrap().len() as u64
-    }
-
-    fn errors_since(&self, t: u64) -> usize {
-        self.log
-            .errors
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|e| e.2 >= t)
-            .count()
-    }
-
-    fn stop(mut self) -> (Vec<(u64, u64)>, usize) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-        let acks = self.log.acks.lock().unwrap().clone();
-        let errors = self.log.errors.lock().unwrap().len();
-        (acks, errors)
-    }
-}
-
-impl Drop for Writer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// FITRIM on a mounted filesystem, over and over, until stopped: the discards
 /// a periodic fstrim sends.
@@ -237,7 +149,12 @@ async fn one_run(
     };
     let image = generation_path(env, &vol.volume_id, a.generation());
     let data = size as u64;
-    let writer = Writer::start(&path, direct);
+    let writer = Writer::start(
+        Path::new(env!("CARGO_BIN_EXE_fencecsi-writer")),
+        &path,
+        direct,
+        &["--churn", &SCRATCH_AT.to_string()],
+    );
     let trimmer = (!block).then(|| Trimmer::start(&a.target));
     wait_until(
         &format!("{label}: first records"),

@@ -265,3 +265,85 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
     rig.stop().await;
     env.assert_clean();
 }
+
+/// An attachment made before images carried a trailer: the node's loop device
+/// shows the whole file (no size limit), so it reaches past the data. The fence
+/// gives the image a trailer behind everything that device shows and moves it
+/// there: nothing it writes afterwards reaches what it showed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attachment_from_before_the_trailer_is_fenced_too() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    let cap = fencecsi_tests::block_cap(Access::SingleNodeWriter);
+    let vol = rig.create("legacy", SIZE, &cap).await;
+    rig.controller
+        .clone()
+        .controller
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "node-a".into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let image = generation_path(&env, &vol.volume_id, 1);
+    let id = match fencecsi_driver::ids::VolumeId::parse(&vol.volume_id).unwrap() {
+        fencecsi_driver::ids::Parsed::Ours(v) => v,
+        _ => unreachable!(),
+    };
+    // What an older node plugin made: node A's tag, no size limit.
+    let old = loopdev::attach(
+        &image,
+        &AttachOptions {
+            tag: fencecsi_driver::node::loop_tag(&id, 1, "node-a"),
+            size_limit: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    struct Detach(std::path::PathBuf);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = loopdev::detach(&self.0);
+        }
+    }
+    let _guard = Detach(old.device.clone());
+    let shown = old.size_bytes;
+    assert!(shown > SIZE as u64, "the old device shows the trailer too ({shown} bytes)");
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&old.device)
+        .unwrap();
+    let h0 = region_hash(&image, shown);
+    dev.write_all_at(&[0x42; 4096], shown - 4096).unwrap();
+    dev.sync_all().unwrap();
+    assert_ne!(region_hash(&image, shown), h0, "control: the old device writes");
+
+    rig.unpublish(&vol.volume_id, "node-a", true)
+        .await
+        .expect("the fence holds for an old-style attachment");
+    let now = loopdev::status(&old.device).unwrap();
+    assert!(now.offset >= shown && now.size_bytes <= 512, "moved past all it showed: {now:?}");
+    let at = region_hash(&image, shown);
+    for off in [0u64, 4096, shown - 4096] {
+        let w = dev.write_all_at(&[0x99; 4096], off).and_then(|_| dev.sync_all());
+        assert!(w.is_err(), "a write at {off} after the fence must fail");
+    }
+    assert_eq!(region_hash(&image, shown), at, "nothing it showed changed");
+    let b = rig
+        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
+        .await
+        .expect("node B gets a new generation");
+    assert!(b.generation() > 1);
+    drop(dev);
+    drop(_guard);
+    rig.node_teardown(&b, false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-b", false).await.unwrap();
+    delete_eventually(&rig, &vol.volume_id).await;
+    rig.stop().await;
+    env.assert_clean();
+}

@@ -61,26 +61,37 @@ impl Controller {
             let (major, minor) = (libc::major(rdev), libc::minor(rdev));
             let mounted = mounts::mounts_of_device(major, minor)
                 .map_err(|e| CsiError::internal("reading the mount table", e))?;
-            if let Some(m) = mounted.first() {
+            // A filesystem on the device, mounted as a directory (a raw block
+            // volume's bind-mounted device node is a file and cannot be frozen).
+            let mut frozen = false;
+            if let Some(m) = mounted.iter().find(|m| m.mount_point.is_dir()) {
                 let dir = File::open(&m.mount_point)
                     .map_err(|e| CsiError::internal("opening a mount to freeze it", e))?;
                 // SAFETY: ioctl on a directory fd we own; the argument is unused.
-                if unsafe { libc::ioctl(dir.as_raw_fd(), FIFREEZE, 0) } != 0 {
+                if unsafe { libc::ioctl(dir.as_raw_fd(), FIFREEZE, 0) } == 0 {
+                    tracing::info!(volume = %id, generation = gen, mount = %m.mount_point.display(), "filesystem frozen for a point-in-time copy");
+                    q.frozen.push((dir, m.mount_point.clone()));
+                    frozen = true;
+                } else {
                     let e = std::io::Error::last_os_error();
-                    if e.raw_os_error() == Some(libc::EBUSY) {
+                    match e.raw_os_error() {
                         // Frozen by someone else already: still frozen, not ours to thaw.
-                        continue;
+                        Some(libc::EBUSY) => frozen = true,
+                        Some(libc::EOPNOTSUPP | libc::ENOTTY) => {}
+                        _ => {
+                            return Err(CsiError::internal(
+                                &format!(
+                                    "freezing {} for a point-in-time copy",
+                                    m.mount_point.display()
+                                ),
+                                e,
+                            ))
+                        }
                     }
-                    return Err(CsiError::internal(
-                        &format!(
-                            "freezing {} for a point-in-time copy",
-                            m.mount_point.display()
-                        ),
-                        e,
-                    ));
                 }
-                tracing::info!(volume = %id, generation = gen, mount = %m.mount_point.display(), "filesystem frozen for a point-in-time copy");
-                q.frozen.push((dir, m.mount_point.clone()));
+            }
+            if frozen {
+                continue;
             } else if !self.backend.reflinks() {
                 return Err(CsiError::FailedPrecondition(format!(
                     "volume {id} is in use through {} (a raw block volume, or a mount this controller cannot see) and the state dir's filesystem ({}) makes no reflinks: a copy now would not be point-in-time. Snapshot it when it is not in use, or keep the state dir on xfs or btrfs",

@@ -1,10 +1,11 @@
-//! `fencecsi-podgc bench`: podgc at scale on the embedded cluster, against a naive
-//! full-list scan doing the same work.
+//! podgc at scale on the embedded cluster, against a naive full-list scan doing the same
+//! work. Shared by the benchmark (`benches/scale.rs`, `cargo bench -p fencecsi-podgc
+//! --bench scale`) and its smoke test (`tests/scale.rs`); not part of the podgc binary.
 //!
-//! The cluster: `--nodes` nodes with `--pods-per-node` pods each. Per node, a realistic mix:
+//! The cluster: `nodes` nodes with `pods_per_node` pods each. Per node, a realistic mix:
 //! most pods are stateful with a PVC bound to a CSI PV of the safe-detach driver (and a
 //! VolumeAttachment on the node), some use a PV of a driver without safe-detach, the rest
-//! have no persistent volume. Then, for each of `--rounds` nodes: its pods are deleted
+//! have no persistent volume. Then, for each of `rounds` nodes: its pods are deleted
 //! gracefully (they turn `Terminating`), and its Ready condition goes `Unknown` with a
 //! lastTransitionTime already past the shutdown grace. Measured: the time from that write
 //! to the node's selectable pods being force-deleted and their VolumeAttachments deleted,
@@ -34,32 +35,25 @@ use fencecsi_cluster::well_known::{
 };
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
 
-use crate::config::PodGcConfig;
-use crate::controller::{disrupt_and_delete, PodGc};
+use fencecsi_podgc::{disrupt_and_delete, PodGc, PodGcConfig};
 
 pub const SAFE_DRIVER: &str = "loop.fencecsi.io";
 pub const UNSAFE_DRIVER: &str = "other.example.com";
 
-/// Flags of `fencecsi-podgc bench`.
-#[derive(Debug, Clone, clap::Args)]
+/// The benchmark's parameters (defaults: 5,000 nodes, 150,000 pods).
+#[derive(Debug, Clone)]
 pub struct BenchArgs {
     /// Nodes in the embedded cluster.
-    #[arg(long, default_value_t = 5000)]
     pub nodes: usize,
     /// Pods per node.
-    #[arg(long, default_value_t = 30)]
     pub pods_per_node: usize,
     /// Per node: this many pods use a PV of the safe-detach CSI driver...
-    #[arg(long, default_value_t = 22)]
     pub safe_per_node: usize,
     /// ...this many a PV of a driver without safe-detach; the rest have no PVC.
-    #[arg(long, default_value_t = 3)]
     pub unsafe_per_node: usize,
     /// Nodes taken down one after the other, each measured.
-    #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Give up on a round after this long.
-    #[arg(long, default_value = "60s", value_parser = fencecsi_cluster::cli::parse_duration)]
     pub timeout: Duration,
 }
 
@@ -576,7 +570,10 @@ pub async fn naive_pass(cluster: &Cluster, grace: Duration) -> anyhow::Result<(u
 pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
     anyhow::ensure!(
         a.safe_per_node + a.unsafe_per_node <= a.pods_per_node,
-        "--safe-per-node + --unsafe-per-node > --pods-per-node"
+        "safe_per_node ({}) + unsafe_per_node ({}) > pods_per_node ({})",
+        a.safe_per_node,
+        a.unsafe_per_node,
+        a.pods_per_node
     );
     anyhow::ensure!(a.rounds * 2 <= a.nodes, "need at least 2 nodes per round");
     let mut r = BenchReport::default();
@@ -635,29 +632,4 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
     }
     r.hwm_naive_mib = memory_mib().0;
     Ok(r)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn small_bench_runs() {
-        let r = run(BenchArgs {
-            nodes: 20,
-            pods_per_node: 10,
-            safe_per_node: 6,
-            unsafe_per_node: 2,
-            rounds: 2,
-            timeout: Duration::from_secs(20),
-        })
-        .await
-        .unwrap();
-        assert_eq!(r.pods, 200);
-        for round in r.podgc.iter().chain(&r.naive) {
-            assert_eq!(round.pods_deleted, 8, "{round:?}");
-            assert_eq!(round.pods_left, 2, "{round:?}");
-            assert_eq!(round.vas_deleted, 6, "{round:?}");
-        }
-    }
 }

@@ -1,0 +1,102 @@
+//! The record writer as a child process: starts `fencecsi-writer`, reads its
+//! `ok <seq> <monotonic ns>` / `err <seq> <errno>` lines on a thread, and
+//! keeps what it acknowledged, with when.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use crate::monotonic_ns;
+
+/// Acknowledged records (seq, CLOCK_MONOTONIC ns) and errors, as the writer reports them.
+#[derive(Default)]
+pub struct WriterLog {
+    acks: Mutex<Vec<(u64, u64)>>,
+    errors: Mutex<Vec<(u64, i32, u64)>>,
+}
+
+pub struct Writer {
+    child: std::process::Child,
+    log: Arc<WriterLog>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    /// Runs `exe` (the fencecsi-writer binary: `env!("CARGO_BIN_EXE_fencecsi-writer")`
+    /// in a test) on `path`, with O_DIRECT when `direct`, plus `extra` arguments.
+    pub fn start(exe: &Path, path: &Path, direct: bool, extra: &[&str]) -> Writer {
+        let mut cmd = Command::new(exe);
+        cmd.arg(path)
+            .args(["--max-errors", "100000"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if direct {
+            cmd.arg("--direct");
+        }
+        let mut child = cmd.spawn().expect("spawning the writer");
+        let out = child.stdout.take().unwrap();
+        let log = Arc::new(WriterLog::default());
+        let l = log.clone();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let mut parts = line.split_whitespace();
+                let kind = parts.next();
+                let seq = parts.next().and_then(|s| s.parse::<u64>().ok());
+                let third = parts.next().and_then(|s| s.parse::<i64>().ok());
+                match (kind, seq) {
+                    (Some("ok"), Some(seq)) => l
+                        .acks
+                        .lock()
+                        .unwrap()
+                        .push((seq, third.unwrap_or(0) as u64)),
+                    (Some("err"), Some(seq)) => l.errors.lock().unwrap().push((
+                        seq,
+                        third.unwrap_or(0) as i32,
+                        monotonic_ns(),
+                    )),
+                    _ => {}
+                }
+            }
+        });
+        Writer {
+            child,
+            log,
+            reader: Some(reader),
+        }
+    }
+
+    pub fn acked(&self) -> u64 {
+        self.log.acks.lock().unwrap().len() as u64
+    }
+
+    pub fn errors_since(&self, t: u64) -> usize {
+        self.log
+            .errors
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.2 >= t)
+            .count()
+    }
+
+    /// Kills the writer; returns its acknowledgements (seq, CLOCK_MONOTONIC ns) and its error count.
+    pub fn stop(mut self) -> (Vec<(u64, u64)>, usize) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let acks = self.log.acks.lock().unwrap().clone();
+        let errors = self.log.errors.lock().unwrap().len();
+        (acks, errors)
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
