@@ -1156,48 +1156,53 @@ mod tests {
     }
 
     /// A node's detach of a busy device (which only sets autoclear) racing a
-    /// fence's remap (which rewrites the flags it read) must never leave the
-    /// device bound after its last user closed it: both hold the backing
-    /// file's lock. Without the lock the same race is counted, as a control
-    /// that the test exercises the window (not asserted: timing-dependent).
+    /// fence's remap (which reads the flags, then writes them back) must never
+    /// leave the device bound after its last user closed it: both hold the
+    /// backing file's lock. The race is made deterministic: the remapper reads
+    /// the status, lets the detach run, then writes. Control: without the lock
+    /// the device does linger, so the test exercises the window.
     #[test]
     fn loopdev_detach_racing_a_remap_never_lingers() {
         require_root!();
         let dir = tempfile::tempdir().unwrap();
         let img = sparse_image(dir.path(), "race.img", 4 * MIB);
-        let rounds = 40;
-        let mut lost_without_lock = 0;
-        for locked in [true, false] {
-            for round in 0..rounds {
-                let g = LoopGuard::attach(
-                    &img,
-                    &AttachOptions {
-                        tag: test_tag("race"),
-                        ..Default::default()
-                    },
+        for locked in [false, true] {
+            let g = LoopGuard::attach(
+                &img,
+                &AttachOptions {
+                    tag: test_tag("race"),
+                    ..Default::default()
+                },
+            );
+            let hold = File::open(g.path()).unwrap();
+            let (dev, file) = (g.0.device.clone(), img.clone());
+            let (read_tx, read_rx) = std::sync::mpsc::channel();
+            let remapper = std::thread::spawn(move || {
+                let _l = locked.then(|| BackingLock::on_path(&file, true).unwrap());
+                let f = open_loop(&dev, false).unwrap();
+                let raw = get_status_raw(&f, &dev).unwrap();
+                read_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(50));
+                unsafe { ioc::loop_set_status64(f.as_raw_fd(), &raw) }.unwrap();
+            });
+            read_rx.recv().unwrap();
+            detach(g.path()).unwrap();
+            remapper.join().unwrap();
+            drop(hold);
+            let gone = wait_unbound(&g.0);
+            if locked {
+                assert!(
+                    gone,
+                    "the device lingers after a detach raced a remap under the lock"
                 );
-                let hold = File::open(g.path()).unwrap();
-                let (dev, file) = (g.0.device.clone(), img.clone());
-                let remapper = std::thread::spawn(move || {
-                    for _ in 0..4 {
-                        let _l = locked.then(|| BackingLock::on_path(&file, true).unwrap());
-                        let Ok(now) = status(&dev) else { return };
-                        let _ = remap(&dev, now.offset, now.size_limit);
-                    }
-                });
+            } else {
+                assert!(
+                    !gone,
+                    "control: without the lock the race must lose the autoclear"
+                );
                 detach(g.path()).unwrap();
-                remapper.join().unwrap();
-                drop(hold);
-                let gone = wait_unbound(&g.0);
-                if locked {
-                    assert!(gone, "round {round}: the device lingers after a detach raced a remap");
-                } else if !gone {
-                    lost_without_lock += 1;
-                    let _ = detach(g.path());
-                    assert!(wait_unbound(&g.0));
-                }
+                assert!(wait_unbound(&g.0));
             }
         }
-        eprintln!("MEASURE detach vs remap without the lock: {lost_without_lock} of {rounds} devices lingered");
     }
 }

@@ -312,7 +312,10 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
     }
     let _guard = Detach(old.device.clone());
     let shown = old.size_bytes;
-    assert!(shown > SIZE as u64, "the old device shows the trailer too ({shown} bytes)");
+    assert!(
+        shown > SIZE as u64,
+        "the old device shows the trailer too ({shown} bytes)"
+    );
     let dev = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -321,16 +324,25 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
     let h0 = region_hash(&image, shown);
     dev.write_all_at(&[0x42; 4096], shown - 4096).unwrap();
     dev.sync_all().unwrap();
-    assert_ne!(region_hash(&image, shown), h0, "control: the old device writes");
+    assert_ne!(
+        region_hash(&image, shown),
+        h0,
+        "control: the old device writes"
+    );
 
     rig.unpublish(&vol.volume_id, "node-a", true)
         .await
         .expect("the fence holds for an old-style attachment");
     let now = loopdev::status(&old.device).unwrap();
-    assert!(now.offset >= shown && now.size_bytes <= 512, "moved past all it showed: {now:?}");
+    assert!(
+        now.offset >= shown && now.size_bytes <= 512,
+        "moved past all it showed: {now:?}"
+    );
     let at = region_hash(&image, shown);
     for off in [0u64, 4096, shown - 4096] {
-        let w = dev.write_all_at(&[0x99; 4096], off).and_then(|_| dev.sync_all());
+        let w = dev
+            .write_all_at(&[0x99; 4096], off)
+            .and_then(|_| dev.sync_all());
         assert!(w.is_err(), "a write at {off} after the fence must fail");
     }
     assert_eq!(region_hash(&image, shown), at, "nothing it showed changed");
@@ -342,7 +354,9 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
     drop(dev);
     drop(_guard);
     rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-b", false)
+        .await
+        .unwrap();
     delete_eventually(&rig, &vol.volume_id).await;
     rig.stop().await;
     env.assert_clean();
