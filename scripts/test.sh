@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "test: checking the tools the tests need" >&2
 bash scripts/setup.sh
-echo "test: building and running the suite (a first run takes about 20 minutes on 2 cores: half building, half testing)" >&2
+echo "test: building and running the suite (a first run takes about 10 minutes on 2 cores, most of it building)" >&2
 exec cargo test --workspace --locked "$@"

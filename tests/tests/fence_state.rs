@@ -24,17 +24,21 @@ async fn volume_status(rig: &Rig, vol: &str) -> csi::controller_get_volume_respo
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
-    require_root!();
-    fencecsi_tests::init_tracing();
-    let env = Env::new();
-    // A controller whose start-up probe could not prove the fence on its
-    // state dir (simulated by a failpoint) must not advertise it, must
-    // refuse a fence request saying why, and must change nothing.
+/// A controller plugin in its own process (`cmd`, already pointed at the
+/// driver binary), a node plugin in this one, and one ext4 volume published
+/// to node-a and staged there.
+struct Staged {
+    child: std::process::Child,
+    ctl: fencecsi_proto::client::CsiClient,
+    node_plugin: fencecsi_tests::InProcess,
+    node: fencecsi_proto::client::CsiClient,
+    volume_id: String,
+    staging: std::path::PathBuf,
+}
+
+async fn stage_with(env: &Env, mut cmd: Command) -> Staged {
     let cfg = env.config(Mode::Controller, None, "weak-controller");
-    let mut child = Command::new(fencecsi_tests::driver_binary())
-        .env(fencecsi_driver::failpoint::ENV, "fence-probe:fail")
+    let child = cmd
         .args(["--mode", "controller", "--endpoint", &cfg.endpoint])
         .arg("--state-dir")
         .arg(&cfg.state_dir)
@@ -44,19 +48,6 @@ async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
         .spawn()
         .expect("the driver runs");
     let mut ctl = wait_for_socket(&cfg.socket_path().unwrap()).await;
-    let mut ask = tonic::Request::new(csi::ControllerGetCapabilitiesRequest {});
-    ask.metadata_mut()
-        .insert("x-fencecsi-extensions", "1".parse().unwrap());
-    let caps = ctl
-        .controller
-        .controller_get_capabilities(ask)
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(
-        !format!("{caps:?}").contains("UnpublishFence") && !format!("{caps:?}").contains("1000"),
-        "a fence the probe could not prove is not advertised: {caps:?}"
-    );
     let (node_plugin, mut node) =
         fencecsi_tests::InProcess::start(env.config(Mode::Node, Some("node-a"), "node-a")).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
@@ -100,10 +91,82 @@ async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
         .await
         .unwrap();
 
-    let err = ctl
+    Staged {
+        child,
+        ctl,
+        node_plugin,
+        node,
+        volume_id: vol.volume_id,
+        staging,
+    }
+}
+
+impl Staged {
+    /// Unstages (with `force` after a fence), unpublishes, deletes, stops.
+    async fn finish(mut self, env: &Env, force: bool) {
+        self.node
+            .node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: self.volume_id.clone(),
+                staging_target_path: self.staging.to_string_lossy().into(),
+                force,
+            })
+            .await
+            .unwrap();
+        self.ctl
+            .controller
+            .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                volume_id: self.volume_id.clone(),
+                node_id: "node-a".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        self.ctl
+            .controller
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: self.volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.node_plugin.stop().await;
+        env.assert_clean();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    // A controller whose start-up probe could not prove the fence on its
+    // state dir (simulated by a failpoint) must not advertise it, must
+    // refuse a fence request saying why, and must change nothing.
+    let mut cmd = Command::new(fencecsi_tests::driver_binary());
+    cmd.env(fencecsi_driver::failpoint::ENV, "fence-probe:fail");
+    let mut w = stage_with(&env, cmd).await;
+    let mut ask = tonic::Request::new(csi::ControllerGetCapabilitiesRequest {});
+    ask.metadata_mut()
+        .insert("x-fencecsi-extensions", "1".parse().unwrap());
+    let caps = w
+        .ctl
+        .controller
+        .controller_get_capabilities(ask)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        !format!("{caps:?}").contains("UnpublishFence") && !format!("{caps:?}").contains("1000"),
+        "a fence the probe could not prove is not advertised: {caps:?}"
+    );
+    let err = w
+        .ctl
         .controller
         .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
+            volume_id: w.volume_id.clone(),
             node_id: "node-a".into(),
             fence: true,
             ..Default::default()
@@ -117,10 +180,11 @@ async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
         err.message()
     );
     // Nothing changed: still published, generation not frozen, writes still land.
-    let status = ctl
+    let status = w
+        .ctl
         .controller
         .controller_get_volume(csi::ControllerGetVolumeRequest {
-            volume_id: vol.volume_id.clone(),
+            volume_id: w.volume_id.clone(),
         })
         .await
         .unwrap()
@@ -129,41 +193,15 @@ async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
         .unwrap();
     assert_eq!(status.published_node_ids, vec!["node-a".to_string()]);
     assert!(
-        !fencecsi_driver::fsops::is_immutable(&generation_path(&env, &vol.volume_id, 1)).unwrap()
+        !fencecsi_driver::fsops::is_immutable(&generation_path(&env, &w.volume_id, 1)).unwrap()
     );
-    std::fs::write(staging.join("still-writable"), b"yes").unwrap();
-    std::fs::File::open(staging.join("still-writable"))
+    std::fs::write(w.staging.join("still-writable"), b"yes").unwrap();
+    std::fs::File::open(w.staging.join("still-writable"))
         .unwrap()
         .sync_all()
         .expect("the attachment is intact");
 
-    node.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            staging_target_path: staging.to_string_lossy().into(),
-            force: false,
-        })
-        .await
-        .unwrap();
-    ctl.controller
-        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            node_id: "node-a".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    ctl.controller
-        .delete_volume(csi::DeleteVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let _ = child.kill();
-    let _ = child.wait();
-    node_plugin.stop().await;
-    env.assert_clean();
+    w.finish(&env, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,68 +212,16 @@ async fn fence_without_immutable_capability_still_holds() {
     // A controller that lacks CAP_LINUX_IMMUTABLE (as in a container that
     // dropped it) cannot set the flag, the second layer; the remap alone
     // must still fence: no write reaches the data after the RPC.
-    let cfg = env.config(Mode::Controller, None, "weak-controller");
-    let mut child = Command::new("setpriv")
-        .args(["--bounding-set", "-linux_immutable", "--"])
-        .arg(fencecsi_tests::driver_binary())
-        .args(["--mode", "controller", "--endpoint", &cfg.endpoint])
-        .arg("--state-dir")
-        .arg(&cfg.state_dir)
-        .arg("--kubelet-dir")
-        .arg(&cfg.kubelet_dir)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("setpriv (util-linux) runs the driver");
-    let mut ctl = wait_for_socket(&cfg.socket_path().unwrap()).await;
-    let (node_plugin, mut node) =
-        fencecsi_tests::InProcess::start(env.config(Mode::Node, Some("node-a"), "node-a")).await;
-    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let vol = ctl
-        .controller
-        .create_volume(csi::CreateVolumeRequest {
-            name: "weak".into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: 64 << 20,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let ctx = ctl
-        .controller
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            node_id: "node-a".into(),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .publish_context;
-    let staging = env.staging_path("node-a", &vol.volume_id);
-    node.node
-        .node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            publish_context: ctx,
-            staging_target_path: staging.to_string_lossy().into(),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--bounding-set", "-linux_immutable", "--"])
+        .arg(fencecsi_tests::driver_binary());
+    let mut w = stage_with(&env, cmd).await;
     // Positive control: before the fence, writes reach the image.
-    let image = generation_path(&env, &vol.volume_id, 1);
+    let image = generation_path(&env, &w.volume_id, 1);
     let data = 64u64 << 20;
     let before = fencecsi_tests::region_hash(&image, data);
-    std::fs::write(staging.join("before"), vec![7u8; 1 << 20]).unwrap();
-    std::fs::File::open(staging.join("before"))
+    std::fs::write(w.staging.join("before"), vec![7u8; 1 << 20]).unwrap();
+    std::fs::File::open(w.staging.join("before"))
         .unwrap()
         .sync_all()
         .unwrap();
@@ -244,9 +230,10 @@ async fn fence_without_immutable_capability_still_holds() {
         before, changed,
         "control: a write before the fence changes the data"
     );
-    ctl.controller
+    w.ctl
+        .controller
         .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
+            volume_id: w.volume_id.clone(),
             node_id: "node-a".into(),
             fence: true,
             ..Default::default()
@@ -255,41 +242,15 @@ async fn fence_without_immutable_capability_still_holds() {
         .expect("the remap fences without the immutable flag");
     let at_fence = fencecsi_tests::region_hash(&image, data);
     assert!(!fencecsi_driver::fsops::is_immutable(&image).unwrap());
-    let late = std::fs::write(staging.join("after"), vec![9u8; 1 << 20])
-        .and_then(|_| std::fs::File::open(staging.join("after"))?.sync_all());
+    let late = std::fs::write(w.staging.join("after"), vec![9u8; 1 << 20])
+        .and_then(|_| std::fs::File::open(w.staging.join("after"))?.sync_all());
     assert!(late.is_err(), "a write after the fence must fail");
     assert_eq!(
         fencecsi_tests::region_hash(&image, data),
         at_fence,
         "the data changed after the fence returned"
     );
-    node.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            staging_target_path: staging.to_string_lossy().into(),
-            force: true,
-        })
-        .await
-        .unwrap();
-    ctl.controller
-        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            node_id: "node-a".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    ctl.controller
-        .delete_volume(csi::DeleteVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let _ = child.kill();
-    let _ = child.wait();
-    node_plugin.stop().await;
-    env.assert_clean();
+    w.finish(&env, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,6 +16,14 @@ use tonic::Code;
 
 const SIZE: i64 = 64 << 20;
 
+/// Detaches a loop device this test attached itself, failing or not.
+struct Detach(std::path::PathBuf);
+impl Drop for Detach {
+    fn drop(&mut self) {
+        let _ = loopdev::detach(&self.0);
+    }
+}
+
 fn write_and_sync(dir: &Path, name: &str) -> std::io::Result<()> {
     std::fs::write(dir.join(name), vec![0x5A; 256 << 10])?;
     std::fs::File::open(dir.join(name))?.sync_all()
@@ -214,12 +222,6 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
         },
     )
     .unwrap();
-    struct Detach(std::path::PathBuf);
-    impl Drop for Detach {
-        fn drop(&mut self) {
-            let _ = loopdev::detach(&self.0);
-        }
-    }
     let _guard = Detach(stray.device.clone());
     let dev = std::fs::OpenOptions::new()
         .read(true)
@@ -304,12 +306,6 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
         },
     )
     .unwrap();
-    struct Detach(std::path::PathBuf);
-    impl Drop for Detach {
-        fn drop(&mut self) {
-            let _ = loopdev::detach(&self.0);
-        }
-    }
     let _guard = Detach(old.device.clone());
     let shown = old.size_bytes;
     assert!(
