@@ -1,0 +1,283 @@
+//! The projections the watches feed: only what a pass reads of Nodes, node Leases,
+//! VolumeAttachments and CSIDrivers. Each `apply_*` says whether the event calls for a
+//! pass soon.
+
+use std::collections::{HashMap, HashSet};
+
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Taint};
+use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
+use fencecsi_cluster::well_known::{
+    NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY, SAFE_DETACH_ANNOTATION,
+};
+use fencecsi_cluster::WatchEvent;
+
+use super::now;
+use crate::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
+
+fn parse_time(s: Option<&String>) -> Option<Timestamp> {
+    s.and_then(|s| s.parse::<Timestamp>().ok())
+}
+
+/// Readiness of a node as its Ready condition says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Readiness {
+    True,
+    /// False or Unknown since this time.
+    NotReady(Timestamp),
+    /// No Ready condition (never posted status).
+    Missing,
+}
+
+/// What podgc keeps of a Node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct NodeInfo {
+    pub(super) ready: Readiness,
+    pub(super) quarantined: bool,
+    pub(super) quarantined_at: Option<Timestamp>,
+    pub(super) clean_at: Option<Timestamp>,
+    pub(super) fences_done: bool,
+    oos_added: bool,
+}
+
+impl NodeInfo {
+    pub(super) fn of(n: &Node, previous: Option<&NodeInfo>) -> NodeInfo {
+        let cond = n
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+        let ready = match cond {
+            None => Readiness::Missing,
+            Some(c) if c.status == "True" => Readiness::True,
+            Some(c) => {
+                let since = c.last_transition_time.as_ref().map(|t| t.0).unwrap_or_else(
+                    // No transition time: from when we first saw it NotReady.
+                    || match previous.map(|p| &p.ready) {
+                        Some(Readiness::NotReady(t)) => *t,
+                        _ => now(),
+                    },
+                );
+                Readiness::NotReady(since)
+            }
+        };
+        let ann = n.metadata.annotations.as_ref();
+        let get = |k: &str| ann.and_then(|a| a.get(k));
+        NodeInfo {
+            ready,
+            quarantined: taints(n).iter().any(|t| t.key == QUARANTINE_TAINT_KEY),
+            quarantined_at: parse_time(get(QUARANTINED_AT_ANNOTATION)),
+            clean_at: parse_time(get(NODE_CLEAN_ANNOTATION)),
+            fences_done: get(FENCES_DONE).is_some(),
+            oos_added: get(OUT_OF_SERVICE_ADDED).is_some(),
+        }
+    }
+}
+
+pub(super) fn taints(n: &Node) -> &[Taint] {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or(&[])
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct LeaseInfo {
+    renew: Option<String>,
+    /// podgc's clock when it saw `renew` change.
+    pub(super) observed: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct VaInfo {
+    node: String,
+    pub(super) pv: Option<String>,
+    pub(super) attacher: String,
+    pub(super) deleting: bool,
+}
+
+impl VaInfo {
+    fn of(va: &VolumeAttachment) -> VaInfo {
+        VaInfo {
+            node: va.spec.node_name.clone(),
+            pv: va.spec.source.persistent_volume_name.clone(),
+            attacher: va.spec.attacher.clone(),
+            deleting: va.metadata.deletion_timestamp.is_some(),
+        }
+    }
+}
+
+/// The projections the watches feed.
+#[derive(Default)]
+pub(super) struct Caches {
+    pub(super) nodes: HashMap<String, NodeInfo>,
+    pub(super) leases: HashMap<String, LeaseInfo>,
+    pub(super) vas: HashMap<String, VaInfo>,
+    pub(super) vas_by_node: HashMap<String, HashSet<String>>,
+    /// CSIDriver name -> carries safe-detach "true".
+    pub(super) drivers: HashMap<String, bool>,
+    pub(super) synced_nodes: bool,
+    pub(super) synced_leases: bool,
+    pub(super) synced_vas: bool,
+    pub(super) synced_drivers: bool,
+}
+
+impl Caches {
+    pub(super) fn synced(&self) -> bool {
+        self.synced_nodes && self.synced_leases && self.synced_vas && self.synced_drivers
+    }
+
+    /// Returns whether a pass should follow soon.
+    pub(super) fn apply_node(&mut self, ev: WatchEvent<Node>) -> bool {
+        let upsert = |c: &mut Caches, n: &Node| -> bool {
+            let name = n.metadata.name.clone().unwrap_or_default();
+            let info = NodeInfo::of(n, c.nodes.get(&name));
+            c.nodes.insert(name, info.clone()) != Some(info)
+        };
+        match ev {
+            WatchEvent::Listed(items) => {
+                let old = std::mem::take(&mut self.nodes);
+                for n in &items {
+                    let name = n.metadata.name.clone().unwrap_or_default();
+                    let info = NodeInfo::of(n, old.get(&name));
+                    self.nodes.insert(name, info);
+                }
+                self.synced_nodes = true;
+                true
+            }
+            WatchEvent::Added(n) | WatchEvent::Modified(n) => upsert(self, &n),
+            WatchEvent::Deleted(n) => {
+                let name = n.metadata.name.clone().unwrap_or_default();
+                self.nodes.remove(&name).is_some()
+            }
+        }
+    }
+
+    pub(super) fn apply_lease(&mut self, ev: WatchEvent<Lease>) -> bool {
+        let renew_of = |l: &Lease| {
+            l.spec
+                .as_ref()
+                .and_then(|s| s.renew_time.as_ref())
+                .map(|t| t.0.to_string())
+        };
+        let now = now();
+        let upsert = |c: &mut HashMap<String, LeaseInfo>, old: Option<&LeaseInfo>, l: &Lease| {
+            let name = l.metadata.name.clone().unwrap_or_default();
+            let renew = renew_of(l);
+            let observed = match old {
+                Some(o) if o.renew == renew => o.observed,
+                _ => now,
+            };
+            c.insert(name, LeaseInfo { renew, observed });
+        };
+        match ev {
+            WatchEvent::Listed(items) => {
+                let old = std::mem::take(&mut self.leases);
+                for l in &items {
+                    let name = l.metadata.name.clone().unwrap_or_default();
+                    upsert(&mut self.leases, old.get(&name), l);
+                }
+                self.synced_leases = true;
+                true
+            }
+            WatchEvent::Added(l) | WatchEvent::Modified(l) => {
+                let name = l.metadata.name.clone().unwrap_or_default();
+                let old = self.leases.get(&name).cloned();
+                upsert(&mut self.leases, old.as_ref(), &l);
+                // A renewal of a lease we counted as stale makes the node healthy again.
+                false
+            }
+            WatchEvent::Deleted(l) => {
+                self.leases.remove(&l.metadata.name.unwrap_or_default());
+                false
+            }
+        }
+    }
+
+    fn remove_va(&mut self, name: &str) -> Option<VaInfo> {
+        let old = self.vas.remove(name)?;
+        if let Some(set) = self.vas_by_node.get_mut(&old.node) {
+            set.remove(name);
+            if set.is_empty() {
+                self.vas_by_node.remove(&old.node);
+            }
+        }
+        Some(old)
+    }
+
+    fn put_va(&mut self, va: &VolumeAttachment) -> (Option<VaInfo>, VaInfo) {
+        let name = va.metadata.name.clone().unwrap_or_default();
+        let old = self.remove_va(&name);
+        let info = VaInfo::of(va);
+        self.vas_by_node
+            .entry(info.node.clone())
+            .or_default()
+            .insert(name.clone());
+        self.vas.insert(name, info.clone());
+        (old, info)
+    }
+
+    pub(super) fn apply_va(&mut self, ev: WatchEvent<VolumeAttachment>) -> bool {
+        let quarantined = |c: &Caches, node: &str| c.nodes.get(node).is_some_and(|n| n.quarantined);
+        match ev {
+            WatchEvent::Listed(items) => {
+                self.vas.clear();
+                self.vas_by_node.clear();
+                for va in &items {
+                    self.put_va(va);
+                }
+                self.synced_vas = true;
+                true
+            }
+            WatchEvent::Added(va) | WatchEvent::Modified(va) => {
+                let (old, new) = self.put_va(&va);
+                old.as_ref() != Some(&new) && quarantined(self, &new.node)
+            }
+            WatchEvent::Deleted(va) => {
+                let name = va.metadata.name.clone().unwrap_or_default();
+                self.remove_va(&name)
+                    .is_some_and(|old| quarantined(self, &old.node))
+            }
+        }
+    }
+
+    pub(super) fn apply_driver(&mut self, ev: WatchEvent<CSIDriver>) -> bool {
+        let safe = |d: &CSIDriver| {
+            d.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(SAFE_DETACH_ANNOTATION))
+                .is_some_and(|v| v == "true")
+        };
+        match ev {
+            WatchEvent::Listed(items) => {
+                self.drivers = items
+                    .iter()
+                    .map(|d| (d.metadata.name.clone().unwrap_or_default(), safe(d)))
+                    .collect();
+                self.synced_drivers = true;
+            }
+            WatchEvent::Added(d) | WatchEvent::Modified(d) => {
+                self.drivers
+                    .insert(d.metadata.name.clone().unwrap_or_default(), safe(&d));
+            }
+            WatchEvent::Deleted(d) => {
+                self.drivers.remove(&d.metadata.name.unwrap_or_default());
+            }
+        }
+        true
+    }
+
+    pub(super) fn safe_vas_on(&self, node: &str) -> usize {
+        self.vas_by_node.get(node).map_or(0, |set| {
+            set.iter()
+                .filter(|n| {
+                    self.vas
+                        .get(*n)
+                        .is_some_and(|v| self.drivers.get(&v.attacher).copied().unwrap_or(false))
+                })
+                .count()
+        })
+    }
+}

@@ -1,0 +1,80 @@
+//! The controller loop.
+//!
+//! One task owns everything: it applies watch events of Nodes, node Leases,
+//! VolumeAttachments and CSIDrivers to small projections, and runs a *pass* when a relevant
+//! event arrived (after a short debounce), when a NotReady node crosses its grace period,
+//! and at least every `resync_interval`. Pods are never watched or listed in full: a pass
+//! lists the pods of each node it acts on with the `spec.nodeName` field selector.
+//!
+//! ## Quarantine and the clean report
+//!
+//! The node plugin reports the node clean (`fencecsi.io/node-clean`, an RFC 3339 time) after
+//! a recovery pass that found nothing fenced, with the time that pass *started*. A report
+//! taken before the attacher made the fences proves nothing: the node would then still hold
+//! the frozen generations. So podgc re-stamps `fencecsi.io/quarantined-at` when it sees the
+//! node's last VolumeAttachment of a safe-detach driver go (the attacher removes its
+//! finalizer only after `ControllerUnpublishVolume(fence = true)` returned), marking that
+//! with `podgc.fencecsi.io/fences-done`. A clean report counts only if it is newer than
+//! that; reporters that find their report too old answer "report again" and the node
+//! plugin does so after its next pass. Times are compared across clocks (the node's and
+//! podgc's): keep them in sync (NTP), as Kubernetes itself expects.
+//!
+//! ## Layout
+//!
+//! - `run`: [`PodGc`], its handle, and the task loop that feeds the caches and times passes;
+//! - `caches`: the projections the watches feed;
+//! - `pass`: one pass: which nodes are down, disruption mode, what to lift and act on;
+//! - `classify`: which pods of a down node podgc may force-delete;
+//! - `quarantine`: the taints and annotations podgc writes on a node;
+//! - `delete`: force-deleting pods; `detach`: deleting the VolumeAttachments left behind;
+//! - `lift`: when and how a quarantine ends;
+//! - `events`: recording Events, one Warning per pod left alone.
+
+mod caches;
+mod classify;
+mod delete;
+mod detach;
+mod events;
+mod lift;
+mod pass;
+mod quarantine;
+mod run;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencecsi_cluster::k8s_openapi::api::core::v1::ObjectReference;
+use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
+use fencecsi_cluster::{Cluster, EventRecorder};
+
+use crate::config::PodGcConfig;
+use crate::metrics::Metrics;
+use caches::Caches;
+
+pub use delete::{disrupt_and_delete, DeleteResult};
+pub use pass::PassSummary;
+pub use run::{PodGc, PodGcHandle};
+
+fn now() -> Timestamp {
+    Timestamp::now()
+}
+
+fn sd(d: Duration) -> SignedDuration {
+    SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX)
+}
+
+/// The state of the controller task. Declared here, with private fields, so that every
+/// submodule's `impl Runner` can reach them.
+struct Runner {
+    cluster: Cluster,
+    cfg: PodGcConfig,
+    metrics: Arc<Metrics>,
+    recorder: EventRecorder,
+    caches: Caches,
+    in_disruption: bool,
+    /// Pod UIDs already warned about (per node), so a skipped pod gets one Event.
+    warned: HashMap<String, HashSet<String>>,
+    seq: u64,
+    lease_ref: ObjectReference,
+}

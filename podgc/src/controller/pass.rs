@@ -1,0 +1,211 @@
+//! One pass: count the NotReady nodes, stand still in disruption mode, check every
+//! quarantined node for a lift, and act on each node NotReady for longer than the grace.
+
+use std::collections::HashSet;
+
+use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
+use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
+use fencecsi_cluster::{EventType, ListParams};
+
+use super::caches::{NodeInfo, Readiness};
+use super::classify::{classify_pods, NodePods};
+use super::{now, sd, Runner};
+
+/// What one pass did (published after every pass; tests and the drill wait on it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassSummary {
+    pub seq: u64,
+    pub leader: bool,
+    pub nodes: usize,
+    pub unhealthy: usize,
+    pub disruption_mode: bool,
+    pub quarantined_now: Vec<String>,
+    pub force_deleted: Vec<String>,
+    pub skipped: Vec<String>,
+    pub volume_attachments_deleted: Vec<String>,
+    pub lifted: Vec<String>,
+    /// Nodes carrying the quarantine taint after the pass.
+    pub quarantined: usize,
+}
+
+impl Runner {
+    /// When the node counts as NotReady, if it does.
+    fn not_ready_since(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Timestamp> {
+        let by_condition = match info.ready {
+            Readiness::NotReady(t) => Some(t),
+            _ => None,
+        };
+        let by_lease = self.cfg.node_lease_grace.and_then(|g| {
+            let l = self.caches.leases.get(name)?;
+            let stale_at = l.observed + sd(g);
+            (stale_at <= now).then_some(stale_at)
+        });
+        match (by_condition, by_lease) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub(super) async fn pass(&mut self) -> PassSummary {
+        self.seq += 1;
+        let now = now();
+        let mut s = PassSummary {
+            seq: self.seq,
+            leader: true,
+            nodes: self.caches.nodes.len(),
+            ..Default::default()
+        };
+        let unhealthy: Vec<(String, Timestamp)> = self
+            .caches
+            .nodes
+            .iter()
+            .filter_map(|(n, i)| self.not_ready_since(n, i, now).map(|t| (n.clone(), t)))
+            .collect();
+        s.unhealthy = unhealthy.len();
+        self.metrics.unhealthy_nodes.set(unhealthy.len() as i64);
+        let fraction = if s.nodes == 0 {
+            0.0
+        } else {
+            unhealthy.len() as f64 / s.nodes as f64
+        };
+        let disruption = fraction > self.cfg.max_unhealthy_fraction;
+        self.metrics.disruption_mode.set(disruption as i64);
+        s.disruption_mode = disruption;
+        if disruption {
+            if !self.in_disruption {
+                let msg = format!(
+                    "{} of {} nodes ({:.0}%) are NotReady, more than the {:.0}% podgc acts under: the fault is likely the control plane's network, not the nodes. podgc quarantines, deletes and lifts nothing until fewer nodes are NotReady.",
+                    unhealthy.len(), s.nodes, fraction * 100.0, self.cfg.max_unhealthy_fraction * 100.0
+                );
+                tracing::warn!(
+                    unhealthy = unhealthy.len(),
+                    nodes = s.nodes,
+                    "entering disruption mode: {msg}"
+                );
+                self.event(
+                    self.lease_ref.clone(),
+                    EventType::Warning,
+                    "DisruptionMode",
+                    &msg,
+                )
+                .await;
+            }
+            self.in_disruption = true;
+            s.quarantined = self.count_quarantined();
+            return s;
+        }
+        if self.in_disruption {
+            let msg = format!(
+                "{} of {} nodes are NotReady: podgc acts again",
+                unhealthy.len(),
+                s.nodes
+            );
+            tracing::info!("{msg}");
+            self.event(
+                self.lease_ref.clone(),
+                EventType::Normal,
+                "DisruptionModeEnded",
+                &msg,
+            )
+            .await;
+            self.in_disruption = false;
+        }
+
+        // Quarantined nodes: re-stamp after the fences, lift when clean.
+        let quarantined: Vec<String> = self
+            .caches
+            .nodes
+            .iter()
+            .filter(|(_, i)| i.quarantined)
+            .map(|(n, _)| n.clone())
+            .collect();
+        let unhealthy_set: HashSet<&str> = unhealthy.iter().map(|(n, _)| n.as_str()).collect();
+        for name in quarantined {
+            match self
+                .maybe_lift(&name, unhealthy_set.contains(name.as_str()))
+                .await
+            {
+                Ok(true) => s.lifted.push(name),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(node = %name, error = %e, "checking the quarantine failed")
+                }
+            }
+        }
+
+        let grace = sd(self.cfg.shutdown_grace);
+        let mut healthy_warned: Vec<String> = Vec::new();
+        for n in self.warned.keys() {
+            if !unhealthy_set.contains(n.as_str()) {
+                healthy_warned.push(n.clone());
+            }
+        }
+        for n in healthy_warned {
+            self.warned.remove(&n);
+        }
+        for (name, since) in unhealthy {
+            if now.duration_since(since) < grace {
+                continue;
+            }
+            if let Err(e) = self.handle_node(&name, since, &mut s).await {
+                tracing::warn!(node = %name, error = %e, "acting on a shut-down node failed; retried next pass");
+            }
+        }
+        s.quarantined = self.count_quarantined();
+        s
+    }
+
+    fn count_quarantined(&self) -> usize {
+        let n = self.caches.nodes.values().filter(|i| i.quarantined).count();
+        self.metrics.quarantined_nodes.set(n as i64);
+        n
+    }
+
+    /// Acts on one node that has been NotReady for longer than the grace.
+    async fn handle_node(
+        &mut self,
+        node: &str,
+        since: Timestamp,
+        s: &mut PassSummary,
+    ) -> anyhow::Result<()> {
+        let pods = self
+            .cluster
+            .api::<Pod>(None)
+            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+            .await?
+            .items;
+        let why = format!(
+            "node {node} has been NotReady since {since} (longer than the shutdown grace of {}s)",
+            self.cfg.shutdown_grace.as_secs()
+        );
+        let NodePods {
+            selected,
+            mut keep_pvs,
+            skipped,
+            safe_running,
+        } = classify_pods(&self.cluster, &self.caches.drivers, &pods).await?;
+        self.warn_skipped(node, &why, &pods, skipped, s).await;
+
+        // With the out-of-service taint, podgc need not wait for pods to be
+        // evicted by their NoExecute tolerations (300 s by default): the taint
+        // it adds with the quarantine is tolerated by nothing by default, so
+        // the node's stateful pods are evicted at once and force-deleted on
+        // the next pass. Without it, podgc only acts on pods already terminating.
+        if selected.is_empty() && safe_running > 0 && self.cfg.out_of_service_taint {
+            if self.ensure_quarantine(node, &why).await? {
+                s.quarantined_now.push(node.to_string());
+                tracing::warn!(node, pods = safe_running, "quarantined with the out-of-service taint so its stateful pods are evicted now");
+            }
+        }
+        if !selected.is_empty() {
+            if self.ensure_quarantine(node, &why).await? {
+                s.quarantined_now.push(node.to_string());
+            }
+            self.force_delete(node, &why, selected, &mut keep_pvs, s)
+                .await;
+        }
+
+        // Detach what nothing on the node uses any more (also retries of earlier passes).
+        self.detach_unused(node, &keep_pvs, s).await
+    }
+}

@@ -1,0 +1,264 @@
+//! Running the controller: [`PodGc`] and its handle, and the one task that applies watch
+//! events to the caches and decides when a pass runs: soon after a relevant event (the
+//! debounce gathers a burst into one pass), when a NotReady node crosses a grace period,
+//! at least every `resync_interval`. A replica that does not lead only publishes an empty
+//! summary. Liveness is stamped while leader election gets answers.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, ObjectReference};
+use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
+use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
+use fencecsi_cluster::{
+    Cluster, EventRecorder, LeaderElector, LeaderHandle, WatchParams, WatchStream,
+    ELECTION_UNHEALTHY_AFTER,
+};
+use futures::StreamExt;
+use tokio::sync::{oneshot, watch};
+
+use super::caches::{Caches, Readiness};
+use super::{now, sd, PassSummary, Runner};
+use crate::config::PodGcConfig;
+use crate::http::Liveness;
+use crate::metrics::Metrics;
+use crate::CONTROLLER_NAME;
+
+/// The controller.
+pub struct PodGc {
+    cluster: Cluster,
+    cfg: PodGcConfig,
+    metrics: Arc<Metrics>,
+    liveness: Arc<Liveness>,
+}
+
+/// A spawned [`PodGc`].
+pub struct PodGcHandle {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    metrics: Arc<Metrics>,
+    passes: watch::Receiver<PassSummary>,
+}
+
+impl PodGcHandle {
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// Summaries of passes as they finish.
+    pub fn passes(&self) -> watch::Receiver<PassSummary> {
+        self.passes.clone()
+    }
+
+    /// Waits for the next pass to finish (one that started after this call, roughly: the
+    /// next published summary) and returns it.
+    pub async fn next_pass(&self) -> PassSummary {
+        let mut rx = self.passes.clone();
+        rx.borrow_and_update();
+        let _ = rx.changed().await;
+        let v = rx.borrow().clone();
+        v
+    }
+
+    /// Graceful stop: finishes the current pass, releases the leader lease.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        match self.task.take() {
+            Some(t) => t.await?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PodGcHandle {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+impl PodGc {
+    pub fn new(cluster: Cluster, cfg: PodGcConfig) -> Self {
+        PodGc {
+            cluster,
+            liveness: Arc::new(Liveness::new(
+                cfg.resync_interval * 6 + Duration::from_secs(30),
+            )),
+            cfg,
+            metrics: Arc::new(Metrics::new()),
+        }
+    }
+
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    pub fn liveness(&self) -> Arc<Liveness> {
+        self.liveness.clone()
+    }
+
+    /// Runs in a task until [`PodGcHandle::shutdown`].
+    pub fn spawn(self) -> PodGcHandle {
+        let (stop, rx) = oneshot::channel::<()>();
+        let (ptx, prx) = watch::channel(PassSummary::default());
+        let metrics = self.metrics.clone();
+        let task = tokio::spawn(async move {
+            self.run_with(
+                async move {
+                    let _ = rx.await;
+                },
+                Some(ptx),
+            )
+            .await
+        });
+        PodGcHandle {
+            stop: Some(stop),
+            task: Some(task),
+            metrics,
+            passes: prx,
+        }
+    }
+
+    /// Runs until `shutdown` resolves; then finishes the current pass and releases the
+    /// leader lease.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+        self.run_with(shutdown, None).await
+    }
+
+    async fn run_with(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+        passes: Option<watch::Sender<PassSummary>>,
+    ) -> anyhow::Result<()> {
+        self.cfg.validate().map_err(anyhow::Error::msg)?;
+        let cfg = self.cfg.clone();
+        let cluster = self.cluster.clone();
+        let leader: Option<LeaderHandle> = match &cfg.leader_election {
+            Some(le) => Some(LeaderElector::new(&cluster, le.clone())?.spawn()),
+            None => None,
+        };
+        let lease_ref = match &cfg.leader_election {
+            Some(le) => ObjectReference {
+                api_version: Some("coordination.k8s.io/v1".into()),
+                kind: Some("Lease".into()),
+                name: Some(le.lease_name.clone()),
+                namespace: Some(le.namespace.clone()),
+                ..Default::default()
+            },
+            None => ObjectReference {
+                api_version: Some("coordination.k8s.io/v1".into()),
+                kind: Some("Lease".into()),
+                name: Some("fencecsi-podgc".into()),
+                namespace: Some("kube-system".into()),
+                ..Default::default()
+            },
+        };
+        let mut nodes_w = cluster.api::<Node>(None).watch(&WatchParams::default())?;
+        let mut leases_w: WatchStream<Lease> = match cfg.node_lease_grace {
+            Some(_) => cluster
+                .api::<Lease>(Some(NODE_LEASE_NAMESPACE))
+                .watch(&WatchParams::default())?,
+            None => futures::stream::pending().boxed(),
+        };
+        let mut vas_w = cluster
+            .api::<VolumeAttachment>(None)
+            .watch(&WatchParams::default())?;
+        let mut drivers_w = cluster
+            .api::<CSIDriver>(None)
+            .watch(&WatchParams::default())?;
+
+        let mut r = Runner {
+            recorder: EventRecorder::new(&cluster, CONTROLLER_NAME, &cfg.identity),
+            cluster,
+            cfg: cfg.clone(),
+            metrics: self.metrics.clone(),
+            caches: Caches {
+                synced_leases: cfg.node_lease_grace.is_none(),
+                ..Default::default()
+            },
+            in_disruption: false,
+            warned: HashMap::new(),
+            seq: 0,
+            lease_ref,
+        };
+        tracing::info!(identity = %cfg.identity, shutdown_grace = ?cfg.shutdown_grace, node_lease_grace = ?cfg.node_lease_grace,
+            max_unhealthy_fraction = cfg.max_unhealthy_fraction, out_of_service_taint = cfg.out_of_service_taint, "podgc starting");
+        let far = tokio::time::Instant::now() + Duration::from_secs(3600 * 24 * 365);
+        let mut next_pass = far;
+        tokio::pin!(shutdown);
+        loop {
+            // Alive only while the election can work: a Lease it may not touch
+            // must turn /healthz red, not leave a standby that never leads.
+            match leader.as_ref() {
+                Some(l) if !l.healthy(ELECTION_UNHEALTHY_AFTER) => {
+                    tracing::error!(failing_for = ?l.elector().failing_for(), "leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
+                }
+                _ => self.liveness.stamp(),
+            }
+            if r.caches.synced() && next_pass == far {
+                next_pass = tokio::time::Instant::now();
+            }
+            let soon = tokio::time::Instant::now() + cfg.debounce;
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => break,
+                _ = tokio::time::sleep_until(next_pass), if r.caches.synced() => {
+                    let leading = leader.as_ref().is_none_or(|l| l.is_leader());
+                    self.metrics.leader.set(leading as i64);
+                    let start = Instant::now();
+                    let summary = if leading { r.pass().await } else {
+                        r.seq += 1;
+                        PassSummary { seq: r.seq, leader: false, ..Default::default() }
+                    };
+                    self.metrics.passes.inc();
+                    self.metrics.pass_duration_seconds.observe(start.elapsed().as_secs_f64());
+                    if let Some(p) = &passes { p.send_replace(summary); }
+                    next_pass = tokio::time::Instant::now() + r.until_next_deadline();
+                }
+                Some(ev) = nodes_w.next() => if r.caches.apply_node(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = leases_w.next() => if r.caches.apply_lease(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = vas_w.next() => if r.caches.apply_va(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = drivers_w.next() => if r.caches.apply_driver(ev) { next_pass = next_pass.min(soon) },
+            }
+        }
+        tracing::info!("podgc stopping");
+        if let Some(l) = leader {
+            if let Err(e) = l.shutdown().await {
+                tracing::warn!(error = %e, "releasing the leader lease failed");
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Runner {
+    /// Time until the next moment a node crosses a grace period, capped by the resync.
+    fn until_next_deadline(&self) -> Duration {
+        let now = now();
+        let grace = sd(self.cfg.shutdown_grace);
+        let mut next = self.cfg.resync_interval;
+        let mut consider = |t: Timestamp| {
+            if t > now {
+                let d = Duration::try_from(t.duration_since(now)).unwrap_or(Duration::ZERO);
+                next = next.min(d + Duration::from_millis(5));
+            }
+        };
+        for (name, info) in &self.caches.nodes {
+            if let Readiness::NotReady(t) = info.ready {
+                consider(t + grace);
+            }
+            if let (Some(g), Some(l)) = (self.cfg.node_lease_grace, self.caches.leases.get(name)) {
+                consider(l.observed + sd(g));
+                consider(l.observed + sd(g) + grace);
+            }
+        }
+        next
+    }
+}
