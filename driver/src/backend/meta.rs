@@ -78,7 +78,9 @@ pub struct VolumeMeta {
     pub attachments: BTreeMap<String, Attachment>,
     /// node ID -> generation it was fenced from; publishing to that node is
     /// refused until nothing holds that generation any more.
-    pub quarantined: BTreeMap<String, u64>,
+    // Named "quarantined" in records written before; not podgc's node quarantine.
+    #[serde(alias = "quarantined")]
+    pub fenced_from: BTreeMap<String, u64>,
 }
 
 impl VolumeMeta {
@@ -354,8 +356,18 @@ mod tests {
                 },
             )]),
             attachments: BTreeMap::new(),
-            quarantined: BTreeMap::new(),
+            fenced_from: BTreeMap::new(),
         }
+    }
+
+    #[test]
+    fn records_from_before_the_rename_still_load() {
+        let mut json = serde_json::to_value(meta("vol-old")).unwrap();
+        let obj = json.as_object_mut().unwrap();
+        obj.remove("fenced_from");
+        obj.insert("quarantined".into(), serde_json::json!({"node-a": 3}));
+        let v: VolumeMeta = serde_json::from_value(json).unwrap();
+        assert_eq!(v.fenced_from.get("node-a"), Some(&3));
     }
 
     #[test]

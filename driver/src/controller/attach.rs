@@ -1,6 +1,7 @@
 //! ControllerPublish/Unpublish: attachment records, the fence, new
-//! generations after a fence, node quarantine, and garbage collection of
-//! fenced generations once nothing holds them.
+//! generations after a fence, fenced-from marks (a fenced node may not have
+//! the volume back before it let go), and garbage collection of fenced
+//! generations once nothing holds them.
 
 use fencecsi_proto::v1::*;
 
@@ -72,7 +73,7 @@ impl Controller {
                 req.node_id, a.readonly, a.block
             )));
         }
-        self.lift_quarantine(&id, &mut v, &req.node_id)?;
+        self.lift_fenced_from(&id, &mut v, &req.node_id)?;
         let others: Vec<(&String, &Attachment)> = v.attachments.iter().collect();
         if !others.is_empty()
             && !(access.multi_node() && readonly && others.iter().all(|(_, a)| a.readonly))
@@ -173,8 +174,8 @@ impl Controller {
 
     /// A node fenced from a generation may be published to again only once it
     /// has let go of that generation (force-unpublished and force-unstaged).
-    fn lift_quarantine(&self, id: &VolumeId, v: &mut VolumeMeta, node: &str) -> CsiResult<()> {
-        let Some(&gen) = v.quarantined.get(node) else {
+    fn lift_fenced_from(&self, id: &VolumeId, v: &mut VolumeMeta, node: &str) -> CsiResult<()> {
+        let Some(&gen) = v.fenced_from.get(node) else {
             return Ok(());
         };
         let holders = self.backend.holders(id, gen)?;
@@ -184,9 +185,9 @@ impl Controller {
                 holders.iter().map(|l| l.device.display().to_string()).collect::<Vec<_>>().join(", ")
             )));
         }
-        v.quarantined.remove(node);
+        v.fenced_from.remove(node);
         self.persist(v)?;
-        tracing::info!(volume = %id, node, generation = gen, "quarantine lifted: the node released the fenced generation");
+        tracing::info!(volume = %id, node, generation = gen, "fenced-from mark lifted: the node released the fenced generation");
         Ok(())
     }
 
@@ -323,7 +324,7 @@ impl Controller {
                     })
                     .is_empty();
                 if holds {
-                    v.quarantined.insert(node.clone(), *gen);
+                    v.fenced_from.insert(node.clone(), *gen);
                 }
             }
         }
@@ -393,14 +394,14 @@ impl Controller {
     }
 
     /// Deletes fenced, superseded generations nobody holds and lifts the
-    /// matching quarantines. Safe to run at any time; skips busy volumes.
+    /// matching fenced-from marks. Safe to run at any time; skips busy volumes.
     pub fn collect_garbage(&self) -> usize {
         let mut removed = 0;
         // One scan of the loop devices per pass, and none when nothing is
         // fenced. A generation that looks released is checked again fresh
         // before anything is lifted or deleted (remove_generation re-checks too).
         let pending = |v: &VolumeMeta| {
-            !v.quarantined.is_empty() || v.generations.values().any(|g| g.fenced_at.is_some())
+            !v.fenced_from.is_empty() || v.generations.values().any(|g| g.fenced_at.is_some())
         };
         let volumes: Vec<VolumeMeta> = self.store.volumes().into_iter().filter(pending).collect();
         if volumes.is_empty() {
@@ -441,7 +442,7 @@ impl Controller {
                     continue;
                 }
                 v.generations.remove(&gen);
-                v.quarantined.retain(|_, g| *g != gen);
+                v.fenced_from.retain(|_, g| *g != gen);
                 changed = true;
                 removed += 1;
                 tracing::info!(volume = %id, generation = gen, "released fenced generation removed");
@@ -449,15 +450,15 @@ impl Controller {
             // Quarantines on a generation that is still current (not yet
             // republished) lift as soon as nothing holds it.
             let released: Vec<String> = v
-                .quarantined
+                .fenced_from
                 .iter()
                 .filter(|(_, g)| released(&id, **g))
                 .map(|(n, _)| n.clone())
                 .collect();
             for node in released {
-                v.quarantined.remove(&node);
+                v.fenced_from.remove(&node);
                 changed = true;
-                tracing::info!(volume = %id, node, "quarantine lifted: the node released the fenced generation");
+                tracing::info!(volume = %id, node, "fenced-from mark lifted: the node released the fenced generation");
             }
             if changed {
                 if let Err(e) = self.persist(&v) {

@@ -252,7 +252,7 @@ impl Controller {
                 },
             )]),
             attachments: BTreeMap::new(),
-            quarantined: BTreeMap::new(),
+            fenced_from: BTreeMap::new(),
         };
         // Metadata first: a crash after this point leaves a Creating record
         // that a retry with the same name completes, so no image is orphaned.
