@@ -1,0 +1,134 @@
+//! The attach half: finalizers on the PV and the VolumeAttachment, the node-ID
+//! annotation, then `ControllerPublishVolume` (or only the status when the plugin has
+//! no publish).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::{EventType, MetadataPatch};
+use fencecsi_proto::v1::ControllerPublishVolumeRequest;
+
+use super::failure::{code_name, Op};
+use super::{has_finalizer, Ctx, REASON_ATTACHED, VA_NODE_ID_ANNOTATION};
+use crate::metrics::ATTACH;
+
+impl Ctx {
+    pub(super) async fn attach(&self, va: VolumeAttachment) -> Result<(), String> {
+        let name = va.metadata.name.clone().unwrap_or_default();
+        let node = va.spec.node_name.clone();
+        let attached = va.status.as_ref().is_some_and(|s| s.attached);
+        if attached && has_finalizer(&va.metadata, &self.finalizer) {
+            // Attached: only keep the PV's finalizer in place (a no-op patch when present).
+            if let Some(pv) = &va.spec.source.persistent_volume_name {
+                self.add_pv_finalizer(pv).await?;
+            }
+            return Ok(());
+        }
+
+        let (pv_name, vol) = match self.volume_of(&va).await {
+            Ok(v) => v,
+            Err(e) => return self.failed(&va, Op::Attach, e, None).await,
+        };
+        if let Some(pv) = &pv_name {
+            if let Err(e) = self.add_pv_finalizer(pv).await {
+                return self.failed(&va, Op::Attach, e, None).await;
+            }
+        }
+        let node_id = match self.node_id(&node).await {
+            Ok(id) => id,
+            Err(e) => return self.failed(&va, Op::Attach, e, None).await,
+        };
+        let annotated = va
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(VA_NODE_ID_ANNOTATION))
+            == Some(&node_id);
+        let va = if has_finalizer(&va.metadata, &self.finalizer) && annotated {
+            va
+        } else {
+            let patch = MetadataPatch::new()
+                .add_finalizer(&self.finalizer)
+                .set_annotation(VA_NODE_ID_ANNOTATION, &node_id);
+            match self.vas.patch_metadata(&name, &patch).await {
+                Ok(v) => v,
+                Err(e) if e.is_not_found() => return Ok(()),
+                // Deletion started meanwhile: its watch event queues the detach.
+                Err(e) if e.is_invalid() => return Ok(()),
+                Err(e) => {
+                    return Err(format!(
+                        "adding the finalizer to VolumeAttachment {name}: {e}"
+                    ))
+                }
+            }
+        };
+
+        let caps = self.caps();
+        if !caps.publish_unpublish {
+            self.set_status(&va, |s| {
+                s.attached = true;
+                s.attach_error = None;
+            })
+            .await?;
+            self.event(
+                &va,
+                EventType::Normal,
+                REASON_ATTACHED,
+                format!(
+                    "marked attached to node {node}: the plugin has no ControllerPublishVolume"
+                ),
+            );
+            return Ok(());
+        }
+        if !(self.may_act)() {
+            return Err("not the active attacher any more".into());
+        }
+        if vol.wants_secrets {
+            tracing::warn!(va = %name, "controllerPublishSecretRef is set but secrets are not supported; publishing without them");
+        }
+        let req = ControllerPublishVolumeRequest {
+            volume_id: vol.handle.clone(),
+            node_id: node_id.clone(),
+            volume_capability: Some(vol.capability.clone()),
+            readonly: vol.readonly,
+            volume_context: vol.context.clone(),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        match self.csi.publish(req).await {
+            Ok(ctx) => {
+                let took = start.elapsed();
+                self.metrics.operation(ATTACH, true, took);
+                let meta: BTreeMap<String, String> = ctx.into_iter().collect();
+                self.set_status(&va, |s| {
+                    s.attached = true;
+                    s.attachment_metadata = (!meta.is_empty()).then(|| meta.clone());
+                    s.attach_error = None;
+                })
+                .await?;
+                tracing::info!(va = %name, volume = %vol.handle, node = %node, node_id = %node_id, ms = took.as_secs_f64() * 1e3, "attached");
+                self.event(
+                    &va,
+                    EventType::Normal,
+                    REASON_ATTACHED,
+                    format!(
+                        "volume {} attached to node {node} (CSI node ID {node_id})",
+                        vol.handle
+                    ),
+                );
+                Ok(())
+            }
+            Err(s) => {
+                self.metrics.operation(ATTACH, false, start.elapsed());
+                let msg = format!(
+                    "ControllerPublishVolume of {} to node {node_id} failed: {}: {}",
+                    vol.handle,
+                    code_name(s.code()),
+                    s.message()
+                );
+                self.failed(&va, Op::Attach, msg, Some(s.code())).await
+            }
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! The observer: polls and watches the cluster once node A is down and records when each
+//! step of the failover was first seen, per volume and overall; the scenario waits on
+//! these times.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Pod};
+use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::sim::ready_condition;
+use fencecsi_cluster::well_known::*;
+use fencecsi_cluster::{Cluster, ListParams, WatchEvent, WatchParams};
+use futures::StreamExt;
+
+use crate::kubelet::Board;
+use crate::report::Step;
+use crate::standins::Task;
+use crate::{Progress, NAMESPACE};
+
+/// What the observer knows about one volume.
+#[derive(Clone, Default)]
+pub(super) struct VolObs {
+    pub(super) pod: String,
+    pub(super) pv: String,
+    pub(super) handle: String,
+    pub(super) old_uid: String,
+    pub(super) old_generation: u64,
+    pub(super) va_a: String,
+    pub(super) t: BTreeMap<Step, f64>,
+    pub(super) new_uid: Option<String>,
+    pub(super) new_node: Option<String>,
+    pub(super) fenced_copy: Option<PathBuf>,
+    pub(super) fenced_path: Option<PathBuf>,
+    pub(super) fenced_immutable: bool,
+    pub(super) deleted_with_condition: bool,
+}
+
+#[derive(Default)]
+pub(super) struct Obs {
+    pub(super) steps: BTreeMap<Step, f64>,
+    pub(super) vols: Vec<VolObs>,
+    pub(super) problems: Vec<String>,
+}
+
+pub(super) type Shared = Arc<Mutex<Obs>>;
+
+pub(super) fn mark(o: &mut Obs, step: Step, t: f64, p: &Progress, detail: &str) {
+    if !o.steps.contains_key(&step) {
+        o.steps.insert(step, t);
+        p.say(format!("STEP {:?}: {}{detail}", step, step.describe()));
+    }
+}
+
+fn has_taint(n: &Node, key: &str) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == key))
+}
+
+/// Polls the cluster and records when each step was first seen.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn observer(
+    cluster: Cluster,
+    node_a: String,
+    state_dir: PathBuf,
+    evidence: PathBuf,
+    board: Board,
+    shared: Shared,
+    progress: Progress,
+) -> Task {
+    let c = cluster.clone();
+    let sh = shared.clone();
+    let prog = progress.clone();
+    // Pod deletions, with the object as deleted (condition, grace period).
+    let deletions: Arc<Mutex<HashMap<String, (f64, bool)>>> = Arc::default();
+    let del = deletions.clone();
+    let watch = tokio::spawn(async move {
+        let Ok(mut w) = c.api::<Pod>(Some(NAMESPACE)).watch(&WatchParams::default()) else {
+            return;
+        };
+        while let Some(ev) = w.next().await {
+            if let WatchEvent::Deleted(p) = ev {
+                let cond = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| {
+                        cs.iter().any(|c| {
+                            c.type_ == DISRUPTION_TARGET_CONDITION
+                                && c.reason.as_deref() == Some(DELETION_BY_PODGC_REASON)
+                        })
+                    })
+                    && p.metadata.deletion_grace_period_seconds == Some(0);
+                del.lock().unwrap().insert(
+                    p.metadata.uid.clone().unwrap_or_default(),
+                    (prog.elapsed().as_secs_f64(), cond),
+                );
+            }
+        }
+    });
+    let _ = sh;
+    // Node A's transitions, timed as the watch delivers them.
+    let node_times: Arc<Mutex<BTreeMap<Step, f64>>> = Arc::default();
+    let (nt, c2, prog2, na) = (
+        node_times.clone(),
+        cluster.clone(),
+        progress.clone(),
+        node_a.clone(),
+    );
+    let node_watch = tokio::spawn(async move {
+        let params = WatchParams::default().fields(&format!("metadata.name={na}"));
+        let Ok(mut w) = c2.api::<Node>(None).watch(&params) else {
+            return;
+        };
+        while let Some(ev) = w.next().await {
+            let nodes = match ev {
+                WatchEvent::Listed(v) => v,
+                WatchEvent::Added(n) | WatchEvent::Modified(n) => vec![n],
+                WatchEvent::Deleted(_) => vec![],
+            };
+            let t = prog2.elapsed().as_secs_f64();
+            let mut m = nt.lock().unwrap();
+            for n in nodes {
+                if ready_condition(&n).is_some_and(|c| c.status != "True") {
+                    m.entry(Step::NotReady).or_insert(t);
+                }
+                let q = has_taint(&n, QUARANTINE_TAINT_KEY);
+                if q {
+                    m.entry(Step::Quarantined).or_insert(t);
+                }
+                if m.contains_key(&Step::Quarantined) {
+                    // A report counts once it is newer than quarantined-at, which podgc
+                    // re-stamps when the fences are done (an earlier report is stale).
+                    let a = n.metadata.annotations.clone().unwrap_or_default();
+                    let ts = |k: &str| {
+                        a.get(k).and_then(|v| {
+                            v.parse::<fencecsi_cluster::k8s_openapi::jiff::Timestamp>()
+                                .ok()
+                        })
+                    };
+                    let counts = a.contains_key(fencecsi_podgc::annotations::FENCES_DONE)
+                        && matches!(
+                            (ts(NODE_CLEAN_ANNOTATION), ts(QUARANTINED_AT_ANNOTATION)),
+                            (Some(c), Some(q)) if c > q
+                        );
+                    if counts {
+                        m.entry(Step::NodeCleaned).or_insert(t);
+                    }
+                    if !q {
+                        m.entry(Step::QuarantineLifted).or_insert(t);
+                    }
+                }
+            }
+        }
+    });
+    Task(tokio::spawn(async move {
+        let _watch = Task(watch);
+        let _node_watch = Task(node_watch);
+        loop {
+            if let Err(e) = observe_once(
+                &cluster,
+                &node_a,
+                &state_dir,
+                &evidence,
+                &board,
+                &shared,
+                &progress,
+                &deletions,
+                &node_times,
+            )
+            .await
+            {
+                tracing::debug!(error = %format!("{e:#}"), "observer");
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn observe_once(
+    cluster: &Cluster,
+    node_a: &str,
+    state_dir: &Path,
+    evidence: &Path,
+    board: &Board,
+    shared: &Shared,
+    progress: &Progress,
+    deletions: &Arc<Mutex<HashMap<String, (f64, bool)>>>,
+    node_times: &Arc<Mutex<BTreeMap<Step, f64>>>,
+) -> anyhow::Result<()> {
+    let t = progress.elapsed().as_secs_f64();
+    let (armed, mut vols) = {
+        let o = shared.lock().unwrap();
+        (o.steps.contains_key(&Step::NodeDown), o.vols.clone())
+    };
+    if !armed {
+        return Ok(());
+    }
+    let node = cluster.api::<Node>(None).get(node_a).await?;
+    let fenced_events = cluster
+        .api::<Event>(None)
+        .list_filtered(&ListParams::default(), |e| {
+            e.reason.as_deref() == Some(fencecsi_attacher::REASON_FENCED)
+        })
+        .await?;
+    let pods = cluster.api::<Pod>(Some(NAMESPACE));
+    let vas = cluster.api::<VolumeAttachment>(None);
+    for v in vols.iter_mut() {
+        if !v.t.contains_key(&Step::ForceDeleted) {
+            if let Some((dt, cond)) = deletions.lock().unwrap().get(&v.old_uid).copied() {
+                v.t.insert(Step::ForceDeleted, dt);
+                v.deleted_with_condition = cond;
+            }
+        }
+        if !v.t.contains_key(&Step::AttachmentDeleted) && vas.get_opt(&v.va_a).await?.is_none() {
+            v.t.insert(Step::AttachmentDeleted, t);
+        }
+        if !v.t.contains_key(&Step::Fenced)
+            && fenced_events.iter().any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(v.va_a.as_str())
+            })
+        {
+            v.t.insert(Step::Fenced, t);
+            super::evidence::copy_fenced_generation(state_dir, evidence, v, shared, progress)
+                .await?;
+        }
+        if v.new_uid.is_none() {
+            if let Some(p) = pods.get_opt(&v.pod).await? {
+                if p.metadata.uid.as_deref() != Some(v.old_uid.as_str())
+                    && p.metadata.deletion_timestamp.is_none()
+                {
+                    v.new_uid = p.metadata.uid.clone();
+                    v.new_node = p.spec.and_then(|s| s.node_name);
+                    v.t.insert(Step::PodRecreated, t);
+                }
+            }
+        }
+        if let (Some(n), false) = (&v.new_node, v.t.contains_key(&Step::AttachedOnB)) {
+            let name = volume_attachment_name(&v.handle, DRIVER_NAME, n);
+            if vas
+                .get_opt(&name)
+                .await?
+                .and_then(|va| va.status)
+                .is_some_and(|s| s.attached)
+            {
+                v.t.insert(Step::AttachedOnB, t);
+            }
+        }
+        if let (Some(u), false) = (&v.new_uid, v.t.contains_key(&Step::PublishedOnB)) {
+            if let Some(p) = board.by_uid(u) {
+                v.t.insert(Step::PublishedOnB, p.published_at.as_secs_f64());
+            }
+        }
+    }
+    let nt = node_times.lock().unwrap().clone();
+    let mut o = shared.lock().unwrap();
+    o.vols = vols.clone();
+    let clean = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(NODE_CLEAN_ANNOTATION))
+        .cloned()
+        .unwrap_or_default();
+    for (step, when) in nt {
+        let detail = if step == Step::NodeCleaned {
+            format!(" ({NODE_CLEAN_ANNOTATION}={clean})")
+        } else {
+            String::new()
+        };
+        if step != Step::QuarantineLifted || o.steps.contains_key(&Step::NodeCleaned) {
+            mark(&mut o, step, when, progress, &detail);
+        }
+    }
+    for step in [
+        Step::ForceDeleted,
+        Step::AttachmentDeleted,
+        Step::Fenced,
+        Step::PodRecreated,
+        Step::AttachedOnB,
+        Step::PublishedOnB,
+    ] {
+        if vols.iter().all(|v| v.t.contains_key(&step)) {
+            let when = vols.iter().map(|v| v.t[&step]).fold(0.0, f64::max);
+            let detail = match step {
+                Step::PodRecreated => format!(
+                    " [{}]",
+                    vols.iter()
+                        .map(|v| format!("{} on {}", v.pod, v.new_node.clone().unwrap_or_default()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                _ => String::new(),
+            };
+            if !o.steps.contains_key(&step) {
+                o.steps.insert(step, when);
+                progress.say(format!("STEP {step:?}: {}{detail}", step.describe()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits until the observer (or the scenario) has recorded `step`; returns its time.
+pub(super) async fn wait_step(
+    shared: &Shared,
+    step: Step,
+    timeout: Duration,
+) -> anyhow::Result<f64> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(t) = shared.lock().unwrap().steps.get(&step) {
+            return Ok(*t);
+        }
+        if Instant::now() > deadline {
+            let o = shared.lock().unwrap();
+            let reached: Vec<String> = o.steps.keys().map(|s| format!("{s:?}")).collect();
+            bail!(
+                "timed out after {:?} waiting for {step:?} ({}); reached: {}",
+                timeout,
+                step.describe(),
+                reached.join(", ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
