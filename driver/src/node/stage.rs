@@ -20,6 +20,24 @@ pub(crate) fn rdev(path: &Path) -> std::io::Result<(u32, u32)> {
     Ok((libc::major(r), libc::minor(r)))
 }
 
+/// Every mount of a loop device (none when it vanished meanwhile).
+fn device_users(device: &Path) -> CsiResult<Vec<mounts::MountEntry>> {
+    let Ok((major, minor)) = rdev(device) else {
+        return Ok(Vec::new());
+    };
+    mounts::mounts_of_device(major, minor)
+        .map_err(|e| CsiError::internal("reading the mount table", e))
+}
+
+/// Mount points for a message.
+fn mount_points(users: &[mounts::MountEntry]) -> String {
+    users
+        .iter()
+        .map(|m| m.mount_point.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Where a block volume's device is bind-mounted inside its staging dir.
 pub(crate) fn block_staging_file(staging: &Path, id: &VolumeId) -> PathBuf {
     staging.join(id.as_str())
@@ -305,11 +323,7 @@ impl Node {
     fn refuse_second_staging(&self, id: &VolumeId, staging: &Path) -> CsiResult<()> {
         let block_file = block_staging_file(staging, id);
         for (lo, _) in self.loops_of(id)? {
-            let Ok((major, minor)) = rdev(&lo.device) else {
-                continue;
-            };
-            let users = mounts::mounts_of_device(major, minor)
-                .map_err(|e| CsiError::internal("reading the mount table", e))?;
+            let users = device_users(&lo.device)?;
             if users.is_empty()
                 || users
                     .iter()
@@ -320,11 +334,7 @@ impl Node {
             return Err(CsiError::FailedPrecondition(format!(
                 "volume {id} is already staged on this node ({} mounted at {}); unstage it there first (nothing was changed)",
                 lo.device.display(),
-                users
-                    .iter()
-                    .map(|m| m.mount_point.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                mount_points(&users)
             )));
         }
         Ok(())
@@ -361,11 +371,7 @@ impl Node {
             // Refuse before touching anything: a device still published
             // elsewhere means the CO has not unpublished yet.
             for (lo, _) in &loops {
-                let Ok((major, minor)) = rdev(&lo.device) else {
-                    continue;
-                };
-                let users = mounts::mounts_of_device(major, minor)
-                    .map_err(|e| CsiError::internal("reading the mount table", e))?;
+                let users = device_users(&lo.device)?;
                 let others: Vec<String> = users
                     .iter()
                     .filter(|m| m.mount_point != staging && m.mount_point != block_file)
@@ -394,21 +400,16 @@ impl Node {
         }
         crate::failpoint::hit("unstage:after-unmount");
         for (lo, gen) in &loops {
-            let Ok((major, minor)) = rdev(&lo.device) else {
-                continue;
-            };
-            let users = mounts::mounts_of_device(major, minor)
-                .map_err(|e| CsiError::internal("reading the mount table", e))?;
+            if rdev(&lo.device).is_err() {
+                continue; // the device node vanished since the listing
+            }
+            let users = device_users(&lo.device)?;
             if !users.is_empty() {
                 if !force {
                     return Err(CsiError::FailedPrecondition(format!(
                         "{} is still mounted at {}; unpublish first",
                         lo.device.display(),
-                        users
-                            .iter()
-                            .map(|m| m.mount_point.display().to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                        mount_points(&users)
                     )));
                 }
                 for m in users.iter().filter(|m| {
