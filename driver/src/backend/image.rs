@@ -42,6 +42,22 @@ impl ImageBackend {
             .join("data.img")
     }
 
+    /// Busy when a loop device still holds the generation (checked fresh,
+    /// from the kernel, right before anything is removed).
+    fn ensure_free(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError> {
+        let held = self.holders(vol, gen)?;
+        if held.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Busy(format!(
+            "generation {gen} of {vol} is still held by {}",
+            held.iter()
+                .map(|l| l.device.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))
+    }
+
     fn ensure_dir(dir: &Path) -> Result<(), BackendError> {
         if !dir.exists() {
             std::fs::create_dir_all(dir)
@@ -214,16 +230,7 @@ impl Backend for ImageBackend {
         if !path.exists() {
             return Ok(());
         }
-        let held = self.holders(vol, gen)?;
-        if !held.is_empty() {
-            return Err(BackendError::Busy(format!(
-                "generation {gen} of {vol} is still held by {}",
-                held.iter()
-                    .map(|l| l.device.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
+        self.ensure_free(vol, gen)?;
         if fence::is_frozen(&path)? {
             fence::thaw(&path)?;
         }
@@ -252,16 +259,7 @@ impl Backend for ImageBackend {
         // Every generation must be free before any is removed: a delete that
         // stops half way would leave a record pointing at missing data.
         for gen in &gens {
-            let held = self.holders(vol, *gen)?;
-            if !held.is_empty() {
-                return Err(BackendError::Busy(format!(
-                    "generation {gen} of {vol} is still held by {}",
-                    held.iter()
-                        .map(|l| l.device.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )));
-            }
+            self.ensure_free(vol, *gen)?;
         }
         for gen in gens {
             self.remove_generation(vol, gen)?;
