@@ -198,6 +198,21 @@ impl<K: Object> Api<K> {
         }
     }
 
+    /// A JSON merge patch (RFC 7386) of the object's spec and metadata: only the fields it
+    /// names change, so a writer never sends back fields it did not mean to touch. Lists
+    /// are replaced whole; put the `resourceVersion` read into `metadata` to make the
+    /// write conditional (a `Conflict` when someone wrote in between).
+    pub async fn patch_merge(&self, name: &str, patch: &serde_json::Value) -> Result<K> {
+        let ns = self.target_ns(None)?;
+        match &self.backend {
+            #[cfg(feature = "embedded")]
+            Backend::Embedded(s) => s.patch_merge(&ns, name, patch),
+            Backend::Kube(c, _) => {
+                kube_backend::patch_merge(&Self::kube_api(c, &ns), name, patch).await
+            }
+        }
+    }
+
     pub async fn delete(&self, name: &str, opts: &DeleteOptions) -> Result<DeleteOutcome<K>> {
         let ns = self.target_ns(None)?;
         match &self.backend {

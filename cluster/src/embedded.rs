@@ -482,6 +482,30 @@ impl<K: Object> KindStore<K> {
         let name = obj.metadata().name.clone().unwrap_or_default();
         let mut st = self.write();
         let old = Self::lookup(&st, ns, &name).ok_or_else(|| Self::not_found(ns, &name))?;
+        self.replace_locked(&mut *st, old, obj)
+    }
+
+    /// A JSON merge patch (RFC 7386) applied to the stored object, then written as an
+    /// update: a `metadata.resourceVersion` in the patch is a precondition, status
+    /// changes are ignored, as the API server does on the main resource.
+    pub(crate) fn patch_merge(&self, ns: &str, name: &str, patch: &serde_json::Value) -> Result<K> {
+        let mut st = self.write();
+        let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
+        let mut doc = serde_json::to_value(&*old)
+            .map_err(|e| Error::Other(format!("encoding {}: {e}", K::KIND)))?;
+        merge_patch(&mut doc, patch);
+        let mut new: K = serde_json::from_value(doc).map_err(|e| {
+            Error::Invalid(format!("{} {name}: patch does not apply: {e}", K::KIND))
+        })?;
+        let want_rv = patch
+            .pointer("/metadata/resourceVersion")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
+        new.metadata_mut().resource_version = want_rv;
+        self.replace_locked(&mut *st, old, &new)
+    }
+
+    fn replace_locked(&self, st: &mut State<K>, old: Arc<K>, obj: &K) -> Result<K> {
         Self::check_update_preconditions(&old, obj.metadata())?;
         Self::check_no_new_finalizers(&old, obj.metadata())?;
         let mut new = obj.clone();
@@ -501,7 +525,7 @@ impl<K: Object> KindStore<K> {
         if new.spec_differs(&old) {
             new.metadata_mut().generation = Some(om.generation.unwrap_or(0) + 1);
         }
-        Ok(self.write_update(&mut st, old, new))
+        Ok(self.write_update(st, old, new))
     }
 
     pub(crate) fn replace_status(&self, ns: &str, obj: &K) -> Result<K>
@@ -739,6 +763,26 @@ impl<K: Object> EmbeddedWatch<K> {
                 }
                 Err(broadcast::error::RecvError::Closed) => return None,
             }
+        }
+    }
+}
+
+/// RFC 7386: objects merge key by key, `null` removes a key, anything else replaces.
+fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
+    use serde_json::Value;
+    let Value::Object(p) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(Default::default());
+    }
+    let t = target.as_object_mut().expect("made an object above");
+    for (k, v) in p {
+        if v.is_null() {
+            t.remove(k);
+        } else {
+            merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
         }
     }
 }

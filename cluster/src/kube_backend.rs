@@ -142,6 +142,16 @@ pub(crate) async fn patch_metadata<K: Object>(
     }
 }
 
+pub(crate) async fn patch_merge<K: Object>(
+    api: &kube::Api<K>,
+    name: &str,
+    patch: &Value,
+) -> Result<K> {
+    Ok(api
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await?)
+}
+
 pub(crate) async fn delete<K: Object>(
     api: &kube::Api<K>,
     name: &str,

@@ -841,6 +841,72 @@ async fn cleanup(ctx: &Ctx) -> Result<()> {
 }
 
 /// The whole contract, identical for every backend.
+/// A merge patch changes only what it names, `null` removes, and a stale
+/// resourceVersion in it is a conflict that changes nothing.
+async fn merge_patch(ctx: &Ctx) -> Result<()> {
+    use fencecsi_cluster::k8s_openapi::api::coordination::v1::LeaseSpec;
+    use serde_json::json;
+    let leases = ctx.cluster.api::<Lease>(Some(&ctx.ns));
+    let mut l = Lease {
+        metadata: ctx.meta("patch", Some(&ctx.ns)),
+        spec: Some(LeaseSpec {
+            holder_identity: Some("x".into()),
+            lease_duration_seconds: Some(15),
+            ..Default::default()
+        }),
+    };
+    l.metadata
+        .labels
+        .get_or_insert_default()
+        .insert("a".into(), "1".into());
+    let v1 = leases.create(&l).await?;
+    let name = name_of(&v1);
+    let v2 = leases
+        .patch_merge(
+            &name,
+            &json!({"metadata": {"labels": {"b": "2"}}, "spec": {"holderIdentity": "y"}}),
+        )
+        .await?;
+    let labels = v2.metadata.labels.clone().unwrap_or_default();
+    ensure!(
+        labels.get("a").map(String::as_str) == Some("1")
+            && labels.get("b").map(String::as_str) == Some("2"),
+        "labels merged: {labels:?}"
+    );
+    let spec = v2.spec.clone().unwrap_or_default();
+    ensure!(
+        spec.holder_identity.as_deref() == Some("y") && spec.lease_duration_seconds == Some(15),
+        "spec merged: {spec:?}"
+    );
+    let v3 = leases
+        .patch_merge(&name, &json!({"metadata": {"labels": {"b": null}}}))
+        .await?;
+    ensure!(
+        !v3.metadata
+            .labels
+            .clone()
+            .unwrap_or_default()
+            .contains_key("b"),
+        "null removes"
+    );
+    let err = leases
+        .patch_merge(
+            &name,
+            &json!({"metadata": {"resourceVersion": v1.metadata.resource_version, "labels": {"c": "3"}}, "spec": {"holderIdentity": "stale"}}),
+        )
+        .await
+        .expect_err("stale merge patch");
+    ensure!(err.is_conflict(), "stale merge patch: {err}");
+    let now = leases.get(&name).await?;
+    ensure!(
+        now.spec.and_then(|s| s.holder_identity).as_deref() == Some("y")
+            && !now.metadata.labels.unwrap_or_default().contains_key("c"),
+        "a stale merge patch changed nothing"
+    );
+    leases.delete(&name, &DeleteOptions::default()).await?;
+    Ok(())
+}
+
 async fn run_contract(cluster: Cluster, ns: &str) -> Result<()> {
     let ctx = Ctx::new(cluster, ns);
     eprintln!(
@@ -885,6 +951,7 @@ async fn run_contract(cluster: Cluster, ns: &str) -> Result<()> {
         watch_sees_the_sequence(&ctx),
     )
     .await;
+    case("merge patch", &mut failures, merge_patch(&ctx)).await;
     case("leader election", &mut failures, leader_election(&ctx)).await;
     case("events recorded", &mut failures, events_are_recorded(&ctx)).await;
     if let Err(e) = cleanup(&ctx).await {

@@ -56,7 +56,8 @@ use Scope::{Cluster, Ns};
 ///
 /// fencecsi's rows come from reading the code (the seam's calls map to verbs: get/get_opt →
 /// get; list/list_filtered → list; watch → list + watch; create → create; replace → update;
-/// replace_status → update on <resource>/status; patch_metadata → get + patch; delete →
+/// replace_status → update on <resource>/status; patch_metadata → get + patch; patch_merge →
+/// patch; delete →
 /// delete). LeaderElector: get, create, replace on a Lease in its namespace. EventRecorder:
 /// create of an events.k8s.io/v1 Event in the regarded object's namespace.
 ///
@@ -74,7 +75,7 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("attacher", Cluster, "events.k8s.io", "events", &["create"]),
     ("attacher", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     // fencecsi-podgc — podgc/src/controller.rs, volumes.rs
-    ("podgc", Cluster, "", "nodes", &["get", "list", "watch", "update", "patch"]),
+    ("podgc", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
     ("podgc", Cluster, "", "pods", &["get", "list", "delete"]),
     ("podgc", Cluster, "", "pods/status", &["update"]),
     ("podgc", Cluster, "", "persistentvolumeclaims", &["get"]),
@@ -1105,6 +1106,7 @@ const CALL_VERBS: &[(&str, &str)] = &[
     (".list(", "list"),
     (".list_filtered(", "list"),
     (".patch_metadata(", "patch"),
+    (".patch_merge(", "patch"),
     (".replace_status(", "update"),
     (".delete(", "delete"),
     (".create(", "create"),

@@ -312,6 +312,11 @@ async fn quarantines_before_it_force_deletes_with_condition_and_deletes_attachme
                     .and_then(|cs| cs.iter().find(|c| c.type_ == DISRUPTION_TARGET_CONDITION))
                     .cloned();
                 if let Some(cond) = cond {
+                    assert_eq!(
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Failed"),
+                        "marked Failed in the same write as the condition"
+                    );
                     assert_eq!(cond.status, "True");
                     assert_eq!(cond.reason.as_deref(), Some(DELETION_BY_PODGC_REASON));
                     let msg = cond.message.unwrap();
@@ -498,7 +503,8 @@ async fn mass_not_ready_is_disruption_mode_and_changes_nothing() {
         1,
         "one event when entering, not one per pass"
     );
-    // Five come back: 1 of 10 NotReady is below the fraction; podgc acts on the last one.
+    // Five come back: 1 of 10 NotReady is below the fraction; podgc acts on the last one,
+    // but only a full grace after disruption mode ended (its grace restarts then).
     for n in names.iter().take(5) {
         set_ready(&c, n, "True", Duration::ZERO).await;
     }
@@ -507,6 +513,13 @@ async fn mass_not_ready_is_disruption_mode_and_changes_nothing() {
         pods.get_opt("db-5").await.unwrap().is_none()
     })
     .await;
+    let ended = disruption_ended_at(&c).await;
+    let quarantined_at = quarantined_at(&c, "n5").await;
+    assert!(
+        quarantined_at.duration_since(ended)
+            >= SignedDuration::try_from(cfg().shutdown_grace).unwrap(),
+        "n5 quarantined at {quarantined_at}, disruption mode ended at {ended}: less than the grace"
+    );
     for i in 0..5 {
         assert!(pods.get_opt(&format!("db-{i}")).await.unwrap().is_some());
     }
@@ -514,6 +527,87 @@ async fn mass_not_ready_is_disruption_mode_and_changes_nothing() {
         .metrics()
         .encode()
         .contains("fencecsi_podgc_disruption_mode 0"));
+    h.shutdown().await.unwrap();
+}
+
+/// When podgc said it left disruption mode (its one `DisruptionModeEnded` Event).
+async fn disruption_ended_at(c: &Cluster) -> Timestamp {
+    let ended = events(c, "DisruptionModeEnded").await;
+    assert_eq!(ended.len(), 1, "one event when leaving disruption mode");
+    ended[0].event_time.as_ref().unwrap().0
+}
+
+/// The node's `quarantined-at` stamp (podgc's clock).
+async fn quarantined_at(c: &Cluster, node: &str) -> Timestamp {
+    let n = c.api::<Node>(None).get(node).await.unwrap();
+    annotation(&n, QUARANTINED_AT_ANNOTATION)
+        .unwrap_or_else(|| panic!("{node} not quarantined"))
+        .parse()
+        .unwrap()
+}
+
+/// A control-plane outage heals node by node. Every node was NotReady since the outage
+/// began, long past the grace; the node lifecycle controller gives each node still
+/// NotReady a fresh grace when disruption mode ends, and so must podgc. B comes back
+/// within that grace and is never touched; C stays down and is quarantined, a full grace
+/// after the outage ended (the positive control: same history, same pass timing).
+#[tokio::test]
+async fn a_staggered_return_after_an_outage_fences_no_node_that_comes_back_within_the_grace() {
+    let c = cluster(&["a", "b", "c"]).await;
+    for n in ["a", "b", "c"] {
+        pod(&c, &format!("db-{n}"), n, Some((SAFE, "ReadWriteOnce"))).await;
+        terminate(&c, &format!("db-{n}")).await;
+        set_ready(&c, n, "Unknown", Duration::from_secs(120)).await;
+    }
+    let h = PodGc::new(
+        c.clone(),
+        PodGcConfig {
+            max_unhealthy_fraction: 0.7,
+            ..cfg()
+        },
+    )
+    .spawn();
+    wait_for("disruption mode", || async {
+        h.next_pass().await.disruption_mode
+    })
+    .await;
+    // A returns: 2 of 3 NotReady is below the fraction, so podgc acts again.
+    set_ready(&c, "a", "True", Duration::ZERO).await;
+    let first = loop {
+        let s = h.next_pass().await;
+        if !s.disruption_mode {
+            break s;
+        }
+    };
+    assert!(
+        first.quarantined_now.is_empty() && first.force_deleted.is_empty(),
+        "nodes NotReady since the outage began were acted on as soon as it ended: {first:?}"
+    );
+    // B returns within its fresh grace.
+    set_ready(&c, "b", "True", Duration::ZERO).await;
+    let pods = c.api::<Pod>(Some(NS));
+    wait_for("db-c force-deleted", || async {
+        pods.get_opt("db-c").await.unwrap().is_none()
+    })
+    .await;
+    let ended = disruption_ended_at(&c).await;
+    let grace = SignedDuration::try_from(cfg().shutdown_grace).unwrap();
+    assert!(quarantined_at(&c, "c").await.duration_since(ended) >= grace);
+    for n in ["a", "b"] {
+        let node = c.api::<Node>(None).get(n).await.unwrap();
+        assert!(!has_taint(&node, QUARANTINE_TAINT_KEY), "{n} quarantined");
+        assert!(pods.get_opt(&format!("db-{n}")).await.unwrap().is_some());
+    }
+    assert_eq!(
+        c.api::<VolumeAttachment>(None)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        2,
+        "the attachments of a and b stay"
+    );
     h.shutdown().await.unwrap();
 }
 
@@ -911,5 +1005,149 @@ async fn out_of_service_taint_evicts_running_stateful_pods_without_waiting_for_t
             "podgc itself never deletes a running pod"
         );
         let _ = h.shutdown().await;
+    }
+}
+
+/// One round of each of kube-controller-manager's parts that act on a dead node: the
+/// taint manager's eviction, and what upstream PodGC and the attach-detach controller do
+/// under the out-of-service taint. Returns the VolumeAttachments force-detached.
+async fn kcm_round(
+    te: &sim::TaintEviction,
+    gc: &sim::out_of_service::OutOfServicePodGc,
+    adc: &sim::out_of_service::OutOfServiceDetach,
+) -> Vec<String> {
+    te.reconcile().await.unwrap();
+    gc.reconcile().await.unwrap();
+    adc.reconcile().await.unwrap()
+}
+
+/// The pod as it was deleted (the watch's last word on it).
+async fn deleted_pod(w: &mut fencecsi_cluster::WatchStream<Pod>, name: &str) -> Pod {
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(15), w.next())
+            .await
+            .unwrap_or_else(|_| panic!("{name} not deleted"))
+            .unwrap();
+        if let WatchEvent::Deleted(p) = ev {
+            if p.metadata.name.as_deref() == Some(name) {
+                return p;
+            }
+        }
+    }
+}
+
+fn disruption_reason(p: &Pod) -> Option<String> {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == DISRUPTION_TARGET_CONDITION))
+        .and_then(|c| c.reason.clone())
+}
+
+/// With the out-of-service taint, upstream PodGC force-deletes every terminating pod on
+/// the node and the attach-detach controller force-detaches every volume, whatever the
+/// driver. So podgc sets it only when everything on the node is fenced. With another
+/// driver's pod on the dead node it withholds the taint, evicts and force-deletes only the
+/// fenced stateful pod itself, and the other pod and its attachment stay, though the
+/// kube-controller-manager model runs all along. Controls: with only fenced volumes on
+/// the node podgc does set the taint and the model evicts, force-deletes (keeping the taint
+/// manager's reason) and detaches; and once someone sets the taint by hand on the mixed
+/// node, the model does force-detach the other driver's volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on_the_node() {
+    for foreign in [true, false] {
+        let c = cluster(&["n1", "n2"]).await;
+        let (_db, db_va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
+        let other_va = if foreign {
+            pod(&c, "other-0", "n1", Some((UNSAFE, "ReadWriteOnce"))).await.1
+        } else {
+            None
+        };
+        let te = sim::TaintEviction::new(&c, Default::default());
+        let gc = sim::out_of_service::OutOfServicePodGc::new(&c);
+        let adc = sim::out_of_service::OutOfServiceDetach::new(&c);
+        let mut pod_w = c
+            .api::<Pod>(Some(NS))
+            .watch(&WatchParams::default())
+            .unwrap();
+        let _ = pod_w.next().await;
+        let h = PodGc::new(
+            c.clone(),
+            PodGcConfig {
+                out_of_service_taint: true,
+                ..cfg()
+            },
+        )
+        .spawn();
+        set_ready(&c, "n1", "Unknown", Duration::from_secs(10)).await;
+        let vas = c.api::<VolumeAttachment>(None);
+        let db_va = db_va.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let mut force_detached = Vec::new();
+        while vas.get_opt(&db_va).await.unwrap().is_some() {
+            assert!(std::time::Instant::now() < deadline, "db-0 never detached");
+            h.next_pass().await;
+            force_detached.extend(kcm_round(&te, &gc, &adc).await);
+        }
+        let gone = deleted_pod(&mut pod_w, "db-0").await;
+        assert_eq!(
+            gone.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Failed")
+        );
+        let n1 = c.api::<Node>(None).get("n1").await.unwrap();
+        assert!(has_taint(&n1, QUARANTINE_TAINT_KEY));
+        assert_eq!(has_taint(&n1, OUT_OF_SERVICE_TAINT_KEY), !foreign);
+        let withheld = events(&c, "OutOfServiceTaintWithheld").await;
+        if !foreign {
+            // Control: the taint was set, the taint manager evicted db-0 and its reason is
+            // kept; the model force-detached (nothing else was left to detach it first, or
+            // podgc did: either way the model was live).
+            assert!(withheld.is_empty());
+            assert_eq!(
+                disruption_reason(&gone).as_deref(),
+                Some(sim::DELETION_BY_TAINT_MANAGER_REASON)
+            );
+            h.shutdown().await.unwrap();
+            continue;
+        }
+        assert_eq!(withheld.len(), 1, "one Warning for the node");
+        let note = withheld[0].note.clone().unwrap_or_default();
+        assert!(note.contains("other-0") && note.contains(UNSAFE), "{note}");
+        assert_eq!(
+            disruption_reason(&gone).as_deref(),
+            Some(DELETION_BY_PODGC_REASON),
+            "podgc evicted db-0 itself"
+        );
+        // Two more rounds of everything: the other driver's pod and volume stay.
+        for _ in 0..2 {
+            h.next_pass().await;
+            force_detached.extend(kcm_round(&te, &gc, &adc).await);
+        }
+        let other = c.api::<Pod>(Some(NS)).get("other-0").await.unwrap();
+        assert!(other.metadata.deletion_timestamp.is_none(), "other-0 evicted");
+        let other_va = other_va.unwrap();
+        assert!(vas.get_opt(&other_va).await.unwrap().is_some());
+        assert!(force_detached.is_empty(), "{force_detached:?}");
+        // Control: an operator confirms the node is off and sets the taint; the model now
+        // evicts and force-deletes other-0 and force-detaches its volume, unfenced.
+        let mut n1 = c.api::<Node>(None).get("n1").await.unwrap();
+        n1.spec
+            .get_or_insert_with(Default::default)
+            .taints
+            .get_or_insert_with(Vec::new)
+            .push(Taint {
+                key: OUT_OF_SERVICE_TAINT_KEY.into(),
+                value: Some(OUT_OF_SERVICE_TAINT_VALUE.into()),
+                effect: "NoExecute".into(),
+                time_added: None,
+            });
+        c.api::<Node>(None).replace(&n1).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while !force_detached.contains(&other_va) {
+            assert!(std::time::Instant::now() < deadline, "model never detached");
+            force_detached.extend(kcm_round(&te, &gc, &adc).await);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        h.shutdown().await.unwrap();
     }
 }

@@ -280,4 +280,23 @@ impl Caches {
                 .count()
         })
     }
+
+    /// VolumeAttachments on `node` of drivers that do not declare safe detach: what the
+    /// out-of-service taint would make the attach-detach controller force-detach unfenced.
+    pub(super) fn foreign_vas_on(&self, node: &str) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .vas_by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter(|n| {
+                self.vas
+                    .get(*n)
+                    .is_some_and(|v| !self.drivers.get(&v.attacher).copied().unwrap_or(false))
+            })
+            .cloned()
+            .collect();
+        out.sort();
+        out
+    }
 }

@@ -23,8 +23,9 @@ pub enum DeleteResult {
     Recreated,
 }
 
-/// Marks `pod` with a `DisruptionTarget` condition (reason `DeletionByPodGC`, `message`)
-/// through the status subresource, then force-deletes it (grace 0) with a UID
+/// Marks `pod` `Failed` with a `DisruptionTarget` condition (reason `DeletionByPodGC`,
+/// `message`; one already there is kept) through the status subresource, then
+/// force-deletes it (grace 0) with a UID
 /// precondition. Both steps are bound to the pod's UID: a pod re-created under the same
 /// name is never touched.
 pub async fn disrupt_and_delete(
@@ -48,30 +49,34 @@ pub async fn disrupt_and_delete(
             }
         }
         let mut p = current.clone();
-        let conds = p
-            .status
-            .get_or_insert_with(Default::default)
-            .conditions
-            .get_or_insert_with(Vec::new);
-        let already = conds.iter().any(|c| {
-            c.type_ == DISRUPTION_TARGET_CONDITION
-                && c.status == "True"
-                && c.reason.as_deref() == Some(DELETION_BY_PODGC_REASON)
-        });
-        if already {
+        let status = p.status.get_or_insert_with(Default::default);
+        // As upstream PodGC: a pod it deletes ends `Failed`, unless it already finished.
+        let set_phase = !matches!(status.phase.as_deref(), Some("Failed" | "Succeeded"));
+        if set_phase {
+            status.phase = Some("Failed".into());
+        }
+        let conds = status.conditions.get_or_insert_with(Vec::new);
+        // A DisruptionTarget already there (the taint manager's eviction, say) says who
+        // started the disruption; it is kept.
+        let has_condition = conds
+            .iter()
+            .any(|c| c.type_ == DISRUPTION_TARGET_CONDITION && c.status == "True");
+        if has_condition && !set_phase {
             break;
         }
-        conds.retain(|c| c.type_ != DISRUPTION_TARGET_CONDITION);
-        conds.push(PodCondition {
-            type_: DISRUPTION_TARGET_CONDITION.into(),
-            status: "True".into(),
-            reason: Some(DELETION_BY_PODGC_REASON.into()),
-            message: Some(message.to_string()),
-            last_transition_time: Some(Time(
-                Timestamp::from_second(now().as_second()).unwrap_or_else(|_| now()),
-            )),
-            ..Default::default()
-        });
+        if !has_condition {
+            conds.retain(|c| c.type_ != DISRUPTION_TARGET_CONDITION);
+            conds.push(PodCondition {
+                type_: DISRUPTION_TARGET_CONDITION.into(),
+                status: "True".into(),
+                reason: Some(DELETION_BY_PODGC_REASON.into()),
+                message: Some(message.to_string()),
+                last_transition_time: Some(Time(
+                    Timestamp::from_second(now().as_second()).unwrap_or_else(|_| now()),
+                )),
+                ..Default::default()
+            });
+        }
         // The uid in the object makes the write conditional on it, like the resourceVersion.
         p.metadata.uid = Some(uid.clone());
         match pods.replace_status(&p).await {
@@ -104,7 +109,9 @@ impl Runner {
         keep_pvs: &mut HashSet<String>,
         s: &mut PassSummary,
     ) {
-        let msg = format!("{why}; podgc force-deletes this terminating pod and detaches its volumes with a write fence");
+        let msg = format!(
+            "{why}; podgc force-deletes this pod and detaches its volumes with a write fence"
+        );
         let mut names = Vec::new();
         for (pod, reason, pvs) in selected {
             let full = format!(
@@ -115,7 +122,7 @@ impl Runner {
             match disrupt_and_delete(&self.cluster, &pod, &msg).await {
                 Ok(DeleteResult::Deleted) => {
                     self.metrics.force_deleted(reason.as_str());
-                    tracing::info!(pod = %full, node, reason = reason.as_str(), "terminating pod force-deleted");
+                    tracing::info!(pod = %full, node, reason = reason.as_str(), "pod force-deleted");
                     names.push(full.clone());
                     s.force_deleted.push(full);
                 }
@@ -139,10 +146,7 @@ impl Runner {
                 Self::node_ref(node),
                 EventType::Warning,
                 "TerminatingPodsForceDeleted",
-                &format!(
-                    "{why}: force-deleted {} terminating pod(s): {list}",
-                    names.len()
-                ),
+                &format!("{why}: force-deleted {} pod(s): {list}", names.len()),
             )
             .await;
         }

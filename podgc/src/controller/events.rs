@@ -69,4 +69,37 @@ impl Runner {
             .await;
         }
     }
+
+    /// Says once per episode why the out-of-service taint stays off `node`.
+    pub(super) async fn warn_oos_withheld(
+        &mut self,
+        node: &str,
+        why: &str,
+        at_risk: &[String],
+        foreign: &[String],
+    ) {
+        if !self.oos_withheld.insert(node.to_string()) {
+            return;
+        }
+        let mut what: Vec<String> = at_risk.to_vec();
+        what.extend(
+            foreign
+                .iter()
+                .map(|va| format!("VolumeAttachment {va} of a driver without safe detach")),
+        );
+        let mut list = what.join("; ");
+        if list.len() > 800 {
+            list.truncate(800);
+            list.push_str("; ...");
+        }
+        let msg = format!("{why}, but podgc does not set the out-of-service taint: it would make Kubernetes force-delete pods and force-detach volumes that nothing fences ({list}). podgc evicts only the pods whose every volume is fenced; the rest wait for someone to confirm the node is off and set the taint by hand.");
+        tracing::warn!(node, "{msg}");
+        self.event(
+            Self::node_ref(node),
+            EventType::Warning,
+            "OutOfServiceTaintWithheld",
+            &msg,
+        )
+        .await;
+    }
 }

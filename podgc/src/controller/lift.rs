@@ -10,6 +10,7 @@ use fencecsi_cluster::well_known::{
 use fencecsi_cluster::{EventType, MetadataPatch};
 
 use super::caches::{NodeInfo, Readiness};
+use super::quarantine::node_patch;
 use super::{now, Runner};
 use crate::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
 
@@ -65,12 +66,13 @@ impl Runner {
                     }
                 }
             }
+            let ours = [QUARANTINED_AT_ANNOTATION, OUT_OF_SERVICE_ADDED, FENCES_DONE];
             if let Some(a) = n.metadata.annotations.as_mut() {
-                a.remove(QUARANTINED_AT_ANNOTATION);
-                a.remove(OUT_OF_SERVICE_ADDED);
-                a.remove(FENCES_DONE);
+                for k in ours {
+                    a.remove(k);
+                }
             }
-            match nodes.replace(&n).await {
+            match nodes.patch_merge(node, &node_patch(&n, &ours)).await {
                 Ok(written) => {
                     let info = NodeInfo::of(&written, self.caches.nodes.get(node));
                     self.caches.nodes.insert(node.to_string(), info);
@@ -90,6 +92,10 @@ impl Runner {
                 Err(e) => return Err(e.into()),
             }
         }
+        tracing::warn!(
+            node,
+            "the node changed under every attempt to lift its quarantine; retried next pass"
+        );
         Ok(false)
     }
 }

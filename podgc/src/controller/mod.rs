@@ -73,8 +73,14 @@ struct Runner {
     recorder: EventRecorder,
     caches: Caches,
     in_disruption: bool,
+    /// When disruption mode last ended: every node's grace starts no earlier, as the
+    /// node lifecycle controller restarts its timers then. A node NotReady since the
+    /// outage began may be one whose heartbeats have simply not arrived yet.
+    disruption_ended: Option<Timestamp>,
     /// Pod UIDs already warned about (per node), so a skipped pod gets one Event.
     warned: HashMap<String, HashSet<String>>,
+    /// Nodes told about (Event) why the out-of-service taint stays off them.
+    oos_withheld: HashSet<String>,
     seq: u64,
     lease_ref: ObjectReference,
 }

@@ -29,7 +29,8 @@ pub struct PassSummary {
 }
 
 impl Runner {
-    /// When the node counts as NotReady, if it does.
+    /// When the node counts as NotReady, if it does: the start of its grace. That is
+    /// never before disruption mode last ended.
     fn not_ready_since(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Timestamp> {
         let by_condition = match info.ready {
             Readiness::NotReady(t) => Some(t),
@@ -40,10 +41,14 @@ impl Runner {
             let stale_at = l.observed + sd(g);
             (stale_at <= now).then_some(stale_at)
         });
-        match (by_condition, by_lease) {
+        let since = match (by_condition, by_lease) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
-        }
+        }?;
+        Some(match self.disruption_ended {
+            Some(ended) if ended > since => ended,
+            _ => since,
+        })
     }
 
     pub(super) async fn pass(&mut self) -> PassSummary {
@@ -96,10 +101,11 @@ impl Runner {
         }
         if self.in_disruption {
             let msg = format!(
-                "{} of {} nodes are NotReady: podgc acts again",
+                "{} of {} nodes are NotReady: podgc acts again, and the shutdown grace of every node still NotReady starts now",
                 unhealthy.len(),
                 s.nodes
             );
+            self.disruption_ended = Some(now);
             tracing::info!("{msg}");
             self.event(
                 self.lease_ref.clone(),
@@ -110,6 +116,14 @@ impl Runner {
             .await;
             self.in_disruption = false;
         }
+        // Nodes still NotReady start their grace now (see `not_ready_since`).
+        let unhealthy: Vec<(String, Timestamp)> = match self.disruption_ended {
+            Some(ended) => unhealthy
+                .into_iter()
+                .map(|(n, t)| (n, t.max(ended)))
+                .collect(),
+            None => unhealthy,
+        };
 
         // Quarantined nodes: re-stamp after the fences, lift when clean.
         let quarantined: Vec<String> = self
@@ -143,6 +157,8 @@ impl Runner {
         for n in healthy_warned {
             self.warned.remove(&n);
         }
+        self.oos_withheld
+            .retain(|n| unhealthy_set.contains(n.as_str()));
         for (name, since) in unhealthy {
             if now.duration_since(since) < grace {
                 continue;
@@ -179,28 +195,42 @@ impl Runner {
             self.cfg.shutdown_grace.as_secs()
         );
         let NodePods {
-            selected,
+            mut selected,
             mut keep_pvs,
             skipped,
             safe_running,
+            at_risk,
         } = classify_pods(&self.cluster, &self.caches.drivers, &pods).await?;
         self.warn_skipped(node, &why, &pods, skipped, s).await;
 
-        // With the out-of-service taint, podgc need not wait for pods to be
-        // evicted by their NoExecute tolerations (300 s by default): the taint
-        // it adds with the quarantine is tolerated by nothing by default, so
-        // the node's stateful pods are evicted at once and force-deleted on
-        // the next pass. Without it, podgc only acts on pods already terminating.
-        if selected.is_empty() && safe_running > 0 && self.cfg.out_of_service_taint {
-            if self.ensure_quarantine(node, &why).await? {
+        // The out-of-service taint makes the taint manager evict every pod on the node at
+        // once (nothing tolerates it by default), upstream PodGC force-delete them and the
+        // attach-detach controller force-detach their volumes, whatever the driver. podgc
+        // sets it only when all of that is fenced; otherwise it does the fenced part itself:
+        // it evicts the stateful pods whose every volume is fenced and leaves the rest.
+        let foreign = self.caches.foreign_vas_on(node);
+        let withheld = self.cfg.out_of_service_taint && !(at_risk.is_empty() && foreign.is_empty());
+        let oos = self.cfg.out_of_service_taint && !withheld;
+        if withheld && !(selected.is_empty() && safe_running.is_empty()) {
+            self.warn_oos_withheld(node, &why, &at_risk, &foreign).await;
+        }
+        let evicts_running = !safe_running.is_empty();
+        if withheld {
+            selected.extend(safe_running);
+        } else {
+            for (_, _, pvs) in safe_running {
+                keep_pvs.extend(pvs);
+            }
+        }
+        if !selected.is_empty() || (oos && evicts_running) {
+            if self.ensure_quarantine(node, &why, oos).await? {
                 s.quarantined_now.push(node.to_string());
-                tracing::warn!(node, pods = safe_running, "quarantined with the out-of-service taint so its stateful pods are evicted now");
+                if oos && selected.is_empty() {
+                    tracing::warn!(node, "quarantined with the out-of-service taint so its stateful pods are evicted now");
+                }
             }
         }
         if !selected.is_empty() {
-            if self.ensure_quarantine(node, &why).await? {
-                s.quarantined_now.push(node.to_string());
-            }
             self.force_delete(node, &why, selected, &mut keep_pvs, s)
                 .await;
         }

@@ -10,10 +10,35 @@ use fencecsi_cluster::well_known::{
     QUARANTINE_TAINT_KEY, QUARANTINE_TAINT_VALUE,
 };
 use fencecsi_cluster::{EventType, MetadataPatch};
+use serde_json::{json, Map, Value};
 
 use super::caches::{taints, NodeInfo};
 use super::{now, Runner};
 use crate::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
+
+/// A merge patch that writes `n`'s taints and annotations (those in `removed` become
+/// `null`), conditional on the resourceVersion `n` was read at. Nodes are patched, never
+/// replaced: the kubelet and other controllers write other fields of the same object.
+pub(super) fn node_patch(n: &Node, removed: &[&str]) -> Value {
+    let mut ann: Map<String, Value> = n
+        .metadata
+        .annotations
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), json!(v)))
+        .collect();
+    for k in removed {
+        ann.entry(k.to_string()).or_insert(Value::Null);
+    }
+    let taints = n.spec.as_ref().and_then(|s| s.taints.as_ref());
+    json!({
+        "metadata": {
+            "resourceVersion": n.metadata.resource_version,
+            "annotations": ann,
+        },
+        "spec": { "taints": taints },
+    })
+}
 
 impl Runner {
     pub(super) async fn patch_node(
@@ -31,11 +56,13 @@ impl Runner {
         Ok(())
     }
 
-    /// Taints and annotates the node (one write). Returns whether it was not quarantined yet.
+    /// Taints and annotates the node (one write), with the out-of-service taint too when
+    /// `oos`. Returns whether it was not quarantined yet.
     pub(super) async fn ensure_quarantine(
         &mut self,
         node: &str,
         why: &str,
+        oos: bool,
     ) -> anyhow::Result<bool> {
         let nodes = self.cluster.api::<Node>(None);
         for _ in 0..5 {
@@ -46,7 +73,7 @@ impl Runner {
                 .annotations
                 .as_ref()
                 .is_some_and(|a| a.contains_key(QUARANTINED_AT_ANNOTATION));
-            let want_oos = self.cfg.out_of_service_taint && !has(&n, OUT_OF_SERVICE_TAINT_KEY);
+            let want_oos = oos && !has(&n, OUT_OF_SERVICE_TAINT_KEY);
             if has(&n, QUARANTINE_TAINT_KEY) && annotated && !want_oos {
                 let info = NodeInfo::of(&n, self.caches.nodes.get(node));
                 self.caches.nodes.insert(node.to_string(), info);
@@ -78,7 +105,10 @@ impl Runner {
             ann.entry(QUARANTINED_AT_ANNOTATION.into())
                 .or_insert_with(|| now().to_string());
             ann.remove(FENCES_DONE);
-            match nodes.replace(&n).await {
+            match nodes
+                .patch_merge(node, &node_patch(&n, &[FENCES_DONE]))
+                .await
+            {
                 Ok(written) => {
                     let info = NodeInfo::of(&written, self.caches.nodes.get(node));
                     self.caches.nodes.insert(node.to_string(), info);

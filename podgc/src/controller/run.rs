@@ -184,6 +184,8 @@ impl PodGc {
                 ..Default::default()
             },
             in_disruption: false,
+            disruption_ended: None,
+            oos_withheld: Default::default(),
             warned: HashMap::new(),
             seq: 0,
             lease_ref,
