@@ -76,7 +76,7 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("attacher", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     // fencecsi-podgc — podgc/src/controller.rs, volumes.rs
     ("podgc", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
-    ("podgc", Cluster, "", "pods", &["get", "list", "delete"]),
+    ("podgc", Cluster, "", "pods", &["get", "list", "watch", "delete"]),
     ("podgc", Cluster, "", "pods/status", &["update"]),
     ("podgc", Cluster, "", "persistentvolumeclaims", &["get"]),
     ("podgc", Cluster, "", "persistentvolumes", &["get"]),

@@ -1059,7 +1059,9 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         let c = cluster(&["n1", "n2"]).await;
         let (_db, db_va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
         let other_va = if foreign {
-            pod(&c, "other-0", "n1", Some((UNSAFE, "ReadWriteOnce"))).await.1
+            pod(&c, "other-0", "n1", Some((UNSAFE, "ReadWriteOnce")))
+                .await
+                .1
         } else {
             None
         };
@@ -1124,7 +1126,10 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
             force_detached.extend(kcm_round(&te, &gc, &adc).await);
         }
         let other = c.api::<Pod>(Some(NS)).get("other-0").await.unwrap();
-        assert!(other.metadata.deletion_timestamp.is_none(), "other-0 evicted");
+        assert!(
+            other.metadata.deletion_timestamp.is_none(),
+            "other-0 evicted"
+        );
         let other_va = other_va.unwrap();
         assert!(vas.get_opt(&other_va).await.unwrap().is_some());
         assert!(force_detached.is_empty(), "{force_detached:?}");
@@ -1150,4 +1155,38 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         }
         h.shutdown().await.unwrap();
     }
+}
+
+/// podgc watches pods: a pod of a down node that turns terminating (the taint manager's
+/// eviction) is acted on at once, not at the next resync. The resync here is an hour and
+/// the node crossed its grace before podgc started, so no timer would run another pass:
+/// only the pod's own event can.
+#[tokio::test]
+async fn an_eviction_on_a_down_node_is_acted_on_when_it_is_watched() {
+    let c = cluster(&["n1", "n2"]).await;
+    let (_p, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
+    set_ready(&c, "n1", "Unknown", Duration::from_secs(60)).await;
+    let h = PodGc::new(
+        c.clone(),
+        PodGcConfig {
+            resync_interval: Duration::from_secs(3600),
+            ..cfg()
+        },
+    )
+    .spawn();
+    let s = h.next_pass().await;
+    assert_eq!(s.unhealthy, 1);
+    assert!(s.force_deleted.is_empty(), "a running pod stays: {s:?}");
+    terminate(&c, "db-0").await;
+    let pods = c.api::<Pod>(Some(NS));
+    wait_for("db-0 force-deleted", || async {
+        pods.get_opt("db-0").await.unwrap().is_none()
+    })
+    .await;
+    let vas = c.api::<VolumeAttachment>(None);
+    wait_for("db-0's attachment deleted", || async {
+        vas.get_opt(va.as_ref().unwrap()).await.unwrap().is_none()
+    })
+    .await;
+    h.shutdown().await.unwrap();
 }

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
-use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Taint};
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
 use fencecsi_cluster::well_known::{
@@ -151,6 +151,24 @@ impl Caches {
                 let name = n.metadata.name.clone().unwrap_or_default();
                 self.nodes.remove(&name).is_some()
             }
+        }
+    }
+
+    /// Pods are not kept: an event only says whether a pass should follow, and it should
+    /// when a pod of a node that is not Ready (or is quarantined) turns terminating or goes,
+    /// so that an eviction is acted on at once rather than at the next resync.
+    pub(super) fn apply_pod(&self, ev: WatchEvent<Pod>) -> bool {
+        let concerns = |p: &Pod| {
+            let node = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            node.and_then(|n| self.nodes.get(n))
+                .is_some_and(|i| i.quarantined || i.ready != Readiness::True)
+        };
+        match ev {
+            WatchEvent::Listed(_) => false,
+            WatchEvent::Added(p) | WatchEvent::Modified(p) => {
+                p.metadata.deletion_timestamp.is_some() && concerns(&p)
+            }
+            WatchEvent::Deleted(p) => concerns(&p),
         }
     }
 

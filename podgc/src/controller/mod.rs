@@ -3,8 +3,18 @@
 //! One task owns everything: it applies watch events of Nodes, node Leases,
 //! VolumeAttachments and CSIDrivers to small projections, and runs a *pass* when a relevant
 //! event arrived (after a short debounce), when a NotReady node crosses its grace period,
-//! and at least every `resync_interval`. Pods are never watched or listed in full: a pass
-//! lists the pods of each node it acts on with the `spec.nodeName` field selector.
+//! and at least every `resync_interval`. Unfinished pods are watched but not kept: a pod of
+//! a down node turning terminating (an eviction) triggers a pass, which lists the pods of
+//! each node it acts on with the `spec.nodeName` field selector.
+//!
+//! ## Disruption mode, the out-of-service taint
+//!
+//! While more than `max_unhealthy_fraction` of the nodes are NotReady, podgc does nothing;
+//! when that ends, every node still NotReady gets a fresh grace (its heartbeats may simply
+//! not have arrived yet), as the node lifecycle controller does. The out-of-service taint
+//! makes Kubernetes force-delete every pod on the node and force-detach every volume,
+//! whatever the driver; podgc sets it only when all of that is fenced, and otherwise evicts
+//! the fenced stateful pods itself (`pass::handle_node`).
 //!
 //! ## Quarantine and the clean report
 //!

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
-use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, ObjectReference};
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
 use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
@@ -173,6 +173,10 @@ impl PodGc {
         let mut drivers_w = cluster
             .api::<CSIDriver>(None)
             .watch(&WatchParams::default())?;
+        // Finished pods never concern podgc; the rest only trigger passes (nothing kept).
+        let mut pods_w = cluster.api::<Pod>(None).watch(
+            &WatchParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+        )?;
 
         let mut r = Runner {
             recorder: EventRecorder::new(&cluster, CONTROLLER_NAME, &cfg.identity),
@@ -228,6 +232,7 @@ impl PodGc {
                 Some(ev) = leases_w.next() => if r.caches.apply_lease(ev) { next_pass = next_pass.min(soon) },
                 Some(ev) = vas_w.next() => if r.caches.apply_va(ev) { next_pass = next_pass.min(soon) },
                 Some(ev) = drivers_w.next() => if r.caches.apply_driver(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = pods_w.next() => if r.caches.apply_pod(ev) { next_pass = next_pass.min(soon) },
             }
         }
         tracing::info!("podgc stopping");
@@ -252,6 +257,9 @@ impl Runner {
                 next = next.min(d + Duration::from_millis(5));
             }
         };
+        if let Some(ended) = self.disruption_ended {
+            consider(ended + grace);
+        }
         for (name, info) in &self.caches.nodes {
             if let Readiness::NotReady(t) = info.ready {
                 consider(t + grace);
