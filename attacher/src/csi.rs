@@ -20,6 +20,9 @@ use tonic::{Code, Status};
 pub struct Capabilities {
     pub publish_unpublish: bool,
     pub unpublish_fence: bool,
+    /// LIST_VOLUMES with LIST_VOLUMES_PUBLISHED_NODES: the plugin can say where each
+    /// volume is published, so attachments can be checked against it.
+    pub list_published: bool,
 }
 
 #[derive(Clone)]
@@ -89,15 +92,19 @@ impl Csi {
             Err(s) => return Err(s),
         };
         let mut caps = Capabilities::default();
+        let (mut list, mut published) = (false, false);
         for cap in r.capabilities {
             if let Some(CapType::Rpc(rpc)) = cap.r#type {
                 match RpcType::try_from(rpc.r#type) {
                     Ok(RpcType::PublishUnpublishVolume) => caps.publish_unpublish = true,
                     Ok(RpcType::UnpublishFence) => caps.unpublish_fence = true,
+                    Ok(RpcType::ListVolumes) => list = true,
+                    Ok(RpcType::ListVolumesPublishedNodes) => published = true,
                     _ => {}
                 }
             }
         }
+        caps.list_published = list && published;
         Ok(caps)
     }
 
@@ -113,6 +120,36 @@ impl Csi {
             )
             .await?
             .publish_context)
+    }
+
+    /// Every volume the plugin knows, with the IDs of the nodes it is published to (all
+    /// pages of ListVolumes).
+    pub(crate) async fn published_nodes(
+        &self,
+    ) -> Result<HashMap<String, std::collections::HashSet<String>>, Status> {
+        let mut out = HashMap::new();
+        let mut token = String::new();
+        loop {
+            let mut c = self.client.controller.clone();
+            let r = self
+                .bounded(
+                    "ListVolumes",
+                    c.list_volumes(self.request(ListVolumesRequest {
+                        max_entries: 500,
+                        starting_token: token.clone(),
+                    })),
+                )
+                .await?;
+            for e in r.entries {
+                let Some(v) = e.volume else { continue };
+                let nodes = e.status.map(|s| s.published_node_ids).unwrap_or_default();
+                out.insert(v.volume_id, nodes.into_iter().collect());
+            }
+            if r.next_token.is_empty() {
+                return Ok(out);
+            }
+            token = r.next_token;
+        }
     }
 
     pub(crate) async fn unpublish(

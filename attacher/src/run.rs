@@ -181,6 +181,9 @@ async fn resync_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
             queue.add(n);
         }
         ctx.sweep_pv_finalizers().await;
+        for n in ctx.check_published().await {
+            queue.add(&n);
+        }
         match ctx.csi.capabilities().await {
             Ok(caps) => {
                 let mut cur = ctx.caps.write().unwrap_or_else(|e| e.into_inner());

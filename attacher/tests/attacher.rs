@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use fencecsi_attacher::metrics::{ATTACH, DETACH, ERROR, SUCCESS};
 use fencecsi_attacher::{
-    spawn, FencePolicy, LeaderElection, Phase, REASON_ATTACHED, REASON_ATTACH_FAILED,
-    REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION,
+    spawn, FencePolicy, LeaderElection, Phase, REASON_ATTACHED, REASON_ATTACHMENT_LOST,
+    REASON_ATTACH_FAILED, REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION,
 };
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeSpec, PersistentVolume, Taint};
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
@@ -199,6 +199,55 @@ async fn attach_then_detach_without_fence_on_a_ready_node() {
     assert!(!reasons.iter().any(|r| r == REASON_FENCED), "{reasons:?}");
     assert_eq!(a.metrics().operations(DETACH, SUCCESS), 1);
     assert_eq!(a.metrics().fences(SUCCESS), 0);
+
+    a.shutdown().await.unwrap();
+    s.finish().await;
+}
+
+/// The resync checks attachments against ListVolumes' published nodes, as
+/// external-attacher does: an attachment the plugin lost (here: unpublished out of band)
+/// is marked not attached, with a Warning, and published again. One that the plugin still
+/// lists, checked by the same resync, is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attachment_the_plugin_lost_is_marked_and_published_again() {
+    require_root!();
+    let s = Setup::new().await;
+    let mut a = spawn(s.cluster.clone(), test_config(&s.socket()));
+    assert!(a.wait_active(T).await, "attacher active");
+    let (lost, lost_va) = s.volume_and_va("pv-lost", "node-a").await;
+    let (kept, kept_va) = s.volume_and_va("pv-kept", "node-a").await;
+    wait_attached(&s.cluster, &lost_va, T).await;
+    wait_attached(&s.cluster, &kept_va, T).await;
+
+    s.client
+        .clone()
+        .controller
+        .controller_unpublish_volume(fencecsi_proto::v1::ControllerUnpublishVolumeRequest {
+            volume_id: lost.clone(),
+            node_id: "node-a".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("out-of-band unpublish");
+    assert!(published_nodes(&s.client, &lost).await.is_empty());
+
+    let reasons = wait_event(&s.cluster, &lost_va, REASON_ATTACHMENT_LOST).await;
+    assert!(reasons.iter().any(|r| r == REASON_ATTACHED), "{reasons:?}");
+    eventually(T, "published again", || async {
+        (published_nodes(&s.client, &lost).await == vec!["node-a"]).then_some(())
+    })
+    .await;
+    let va = wait_attached(&s.cluster, &lost_va, T).await;
+    assert_eq!(
+        va.status.unwrap().attach_error,
+        None,
+        "error cleared on re-attach"
+    );
+    assert!(!event_reasons(&s.cluster, &kept_va)
+        .await
+        .iter()
+        .any(|r| r == REASON_ATTACHMENT_LOST));
+    assert_eq!(published_nodes(&s.client, &kept).await, vec!["node-a"]);
 
     a.shutdown().await.unwrap();
     s.finish().await;

@@ -13,6 +13,7 @@
 //! - `status`: conflict-tolerant status writes;
 //! - `failure`: recording a failed attach or detach (status error, Warning event);
 //! - `pv_finalizer`: this driver's finalizer on PersistentVolumes, and the resync sweep;
+//! - `published`: the resync's check of attachments against ListVolumes' published nodes;
 //! - `enqueue`: which watch updates queue the object.
 
 mod attach;
@@ -20,6 +21,7 @@ mod detach;
 mod enqueue;
 mod failure;
 mod fence;
+mod published;
 mod pv_finalizer;
 mod resolve;
 mod status;
@@ -49,6 +51,8 @@ pub const REASON_ATTACH_FAILED: &str = "AttachFailed";
 pub const REASON_DETACHED: &str = "Detached";
 pub const REASON_DETACH_FAILED: &str = "DetachFailed";
 pub const REASON_FENCED: &str = "Fenced";
+/// The plugin no longer lists the volume as published to the node (see `published`).
+pub const REASON_ATTACHMENT_LOST: &str = "AttachmentLost";
 
 /// What one pass needs; shared by the workers of an instance.
 pub(crate) struct Ctx {
