@@ -253,4 +253,16 @@ impl<K: HasStatus> Api<K> {
             Backend::Kube(c, _) => kube_backend::replace_status(&Self::kube_api(c, &ns), obj).await,
         }
     }
+
+    /// A JSON merge patch of the status subresource; see [`Api::patch_merge`].
+    pub async fn patch_status_merge(&self, name: &str, patch: &serde_json::Value) -> Result<K> {
+        let ns = self.target_ns(None)?;
+        match &self.backend {
+            #[cfg(feature = "embedded")]
+            Backend::Embedded(s) => s.patch_status_merge(&ns, name, patch),
+            Backend::Kube(c, _) => {
+                kube_backend::patch_status_merge(&Self::kube_api(c, &ns), name, patch).await
+            }
+        }
+    }
 }

@@ -528,6 +528,40 @@ impl<K: Object> KindStore<K> {
         Ok(self.write_update(st, old, new))
     }
 
+    /// A JSON merge patch of the status subresource: only `status` of the merged object
+    /// is taken; a `metadata.resourceVersion` in the patch is a precondition.
+    pub(crate) fn patch_status_merge(
+        &self,
+        ns: &str,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<K>
+    where
+        K: HasStatus,
+    {
+        let mut st = self.write();
+        let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
+        if let Some(rv) = patch
+            .pointer("/metadata/resourceVersion")
+            .and_then(|v| v.as_str())
+        {
+            let pre = ObjectMeta {
+                resource_version: Some(rv.to_string()),
+                ..Default::default()
+            };
+            Self::check_update_preconditions(&old, &pre)?;
+        }
+        let mut doc = serde_json::to_value(&*old)
+            .map_err(|e| Error::Other(format!("encoding {}: {e}", K::KIND)))?;
+        merge_patch(&mut doc, patch);
+        let merged: K = serde_json::from_value(doc).map_err(|e| {
+            Error::Invalid(format!("{} {name}: patch does not apply: {e}", K::KIND))
+        })?;
+        let mut new = (*old).clone();
+        new.copy_status_from(&merged);
+        Ok(self.write_update(&mut st, old, new))
+    }
+
     pub(crate) fn replace_status(&self, ns: &str, obj: &K) -> Result<K>
     where
         K: HasStatus,

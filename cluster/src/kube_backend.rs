@@ -152,6 +152,16 @@ pub(crate) async fn patch_merge<K: Object>(
         .await?)
 }
 
+pub(crate) async fn patch_status_merge<K: Object>(
+    api: &kube::Api<K>,
+    name: &str,
+    patch: &Value,
+) -> Result<K> {
+    Ok(api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await?)
+}
+
 pub(crate) async fn delete<K: Object>(
     api: &kube::Api<K>,
     name: &str,

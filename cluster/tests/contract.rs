@@ -904,6 +904,36 @@ async fn merge_patch(ctx: &Ctx) -> Result<()> {
         "a stale merge patch changed nothing"
     );
     leases.delete(&name, &DeleteOptions::default()).await?;
+
+    // The status subresource: only status changes, and a stale resourceVersion conflicts.
+    let pods = ctx.cluster.api::<Pod>(Some(&ctx.ns));
+    let node = format!("fc-node-{}", ctx.run);
+    let p1 = pods.create(&ctx.pod("patch-status", Some(&node))).await?;
+    let pname = name_of(&p1);
+    let p2 = pods
+        .patch_status_merge(
+            &pname,
+            &json!({"status": {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "Test"}]}}),
+        )
+        .await?;
+    let conds = p2.status.and_then(|s| s.conditions).unwrap_or_default();
+    ensure!(
+        conds.iter().any(|c| c.type_ == "DisruptionTarget" && c.reason.as_deref() == Some("Test")),
+        "status merged: {conds:?}"
+    );
+    ensure!(
+        p2.spec.and_then(|s| s.node_name).as_deref() == Some(node.as_str()),
+        "spec kept"
+    );
+    let err = pods
+        .patch_status_merge(
+            &pname,
+            &json!({"metadata": {"resourceVersion": p1.metadata.resource_version}, "status": {"conditions": null}}),
+        )
+        .await
+        .expect_err("stale status patch");
+    ensure!(err.is_conflict(), "stale status patch: {err}");
+    pods.delete(&pname, &DeleteOptions::force()).await?;
     Ok(())
 }
 

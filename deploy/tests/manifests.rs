@@ -77,6 +77,7 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     // fencecsi-podgc — podgc/src/controller.rs, volumes.rs
     ("podgc", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
     ("podgc", Cluster, "", "pods", &["get", "list", "watch", "delete"]),
+    ("podgc", Cluster, "", "nodes/status", &["patch"]),
     ("podgc", Cluster, "", "pods/status", &["update"]),
     ("podgc", Cluster, "", "persistentvolumeclaims", &["get"]),
     ("podgc", Cluster, "", "persistentvolumes", &["get"]),
@@ -1107,6 +1108,7 @@ const CALL_VERBS: &[(&str, &str)] = &[
     (".list_filtered(", "list"),
     (".patch_metadata(", "patch"),
     (".patch_merge(", "patch"),
+    (".patch_status_merge(", "patch"),
     (".replace_status(", "update"),
     (".delete(", "delete"),
     (".create(", "create"),

@@ -1021,6 +1021,18 @@ async fn kcm_round(
     adc.reconcile().await.unwrap()
 }
 
+async fn set_volumes_in_use(c: &Cluster, node: &str, list: &[String]) {
+    let api = c.api::<Node>(None);
+    let mut n = api.get(node).await.unwrap();
+    n.status.get_or_insert_with(Default::default).volumes_in_use = Some(list.to_vec());
+    api.replace_status(&n).await.unwrap();
+}
+
+async fn volumes_in_use(c: &Cluster, node: &str) -> Vec<String> {
+    let n = c.api::<Node>(None).get(node).await.unwrap();
+    n.status.and_then(|s| s.volumes_in_use).unwrap_or_default()
+}
+
 /// The pod as it was deleted (the watch's last word on it).
 async fn deleted_pod(w: &mut fencecsi_cluster::WatchStream<Pod>, name: &str) -> Pod {
     loop {
@@ -1065,6 +1077,12 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         } else {
             None
         };
+        // What the kubelet last reported mounted on n1, before it died.
+        let mut in_use = vec![format!("kubernetes.io/csi/{SAFE}^handle-db-0")];
+        if foreign {
+            in_use.push(format!("kubernetes.io/csi/{UNSAFE}^handle-other-0"));
+        }
+        set_volumes_in_use(&c, "n1", &in_use).await;
         let te = sim::TaintEviction::new(&c, Default::default());
         let gc = sim::out_of_service::OutOfServicePodGc::new(&c);
         let adc = sim::out_of_service::OutOfServiceDetach::new(&c);
@@ -1091,6 +1109,13 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
             h.next_pass().await;
             force_detached.extend(kcm_round(&te, &gc, &adc).await);
         }
+        // The fenced volume leaves volumesInUse, so that the attach-detach controller
+        // detaches it at once; the other driver's entry stays.
+        let left: Vec<String> = in_use[1..].to_vec();
+        wait_for("db-0's volume out of volumesInUse", || async {
+            volumes_in_use(&c, "n1").await == left
+        })
+        .await;
         let gone = deleted_pod(&mut pod_w, "db-0").await;
         assert_eq!(
             gone.status.as_ref().and_then(|s| s.phase.as_deref()),
