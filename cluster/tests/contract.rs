@@ -918,7 +918,9 @@ async fn merge_patch(ctx: &Ctx) -> Result<()> {
         .await?;
     let conds = p2.status.and_then(|s| s.conditions).unwrap_or_default();
     ensure!(
-        conds.iter().any(|c| c.type_ == "DisruptionTarget" && c.reason.as_deref() == Some("Test")),
+        conds
+            .iter()
+            .any(|c| c.type_ == "DisruptionTarget" && c.reason.as_deref() == Some("Test")),
         "status merged: {conds:?}"
     );
     ensure!(

@@ -1009,16 +1009,17 @@ async fn out_of_service_taint_evicts_running_stateful_pods_without_waiting_for_t
 }
 
 /// One round of each of kube-controller-manager's parts that act on a dead node: the
-/// taint manager's eviction, and what upstream PodGC and the attach-detach controller do
-/// under the out-of-service taint. Returns the VolumeAttachments force-detached.
+/// taint manager's eviction, upstream PodGC under the out-of-service taint, and the
+/// attach-detach controller (its own view, detach gated on volumesInUse, forced under the
+/// taint).
 async fn kcm_round(
     te: &sim::TaintEviction,
     gc: &sim::out_of_service::OutOfServicePodGc,
-    adc: &sim::out_of_service::OutOfServiceDetach,
-) -> Vec<String> {
+    adc: &sim::attach_detach::AttachDetach,
+) {
     te.reconcile().await.unwrap();
     gc.reconcile().await.unwrap();
-    adc.reconcile().await.unwrap()
+    adc.reconcile().await.unwrap();
 }
 
 async fn set_volumes_in_use(c: &Cluster, node: &str, list: &[String]) {
@@ -1085,7 +1086,13 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         set_volumes_in_use(&c, "n1", &in_use).await;
         let te = sim::TaintEviction::new(&c, Default::default());
         let gc = sim::out_of_service::OutOfServicePodGc::new(&c);
-        let adc = sim::out_of_service::OutOfServiceDetach::new(&c);
+        let adc = sim::attach_detach::AttachDetach::new(
+            &c,
+            sim::attach_detach::AttachDetachConfig {
+                drivers: vec![SAFE.into(), UNSAFE.into()],
+                ..Default::default()
+            },
+        );
         let mut pod_w = c
             .api::<Pod>(Some(NS))
             .watch(&WatchParams::default())
@@ -1103,11 +1110,10 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         let vas = c.api::<VolumeAttachment>(None);
         let db_va = db_va.unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        let mut force_detached = Vec::new();
         while vas.get_opt(&db_va).await.unwrap().is_some() {
             assert!(std::time::Instant::now() < deadline, "db-0 never detached");
             h.next_pass().await;
-            force_detached.extend(kcm_round(&te, &gc, &adc).await);
+            kcm_round(&te, &gc, &adc).await;
         }
         // The fenced volume leaves volumesInUse, so that the attach-detach controller
         // detaches it at once; the other driver's entry stays.
@@ -1127,8 +1133,7 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         let withheld = events(&c, "OutOfServiceTaintWithheld").await;
         if !foreign {
             // Control: the taint was set, the taint manager evicted db-0 and its reason is
-            // kept; the model force-detached (nothing else was left to detach it first, or
-            // podgc did: either way the model was live).
+            // kept.
             assert!(withheld.is_empty());
             assert_eq!(
                 disruption_reason(&gone).as_deref(),
@@ -1145,10 +1150,14 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
             Some(DELETION_BY_PODGC_REASON),
             "podgc evicted db-0 itself"
         );
+        // The attach-detach controller's own view no longer has db-0's volume on n1, so a
+        // replacement pod elsewhere gets it without waiting for the verification.
+        kcm_round(&te, &gc, &adc).await;
+        assert!(adc.attached_nodes("pv-db-0").is_empty());
         // Two more rounds of everything: the other driver's pod and volume stay.
         for _ in 0..2 {
             h.next_pass().await;
-            force_detached.extend(kcm_round(&te, &gc, &adc).await);
+            kcm_round(&te, &gc, &adc).await;
         }
         let other = c.api::<Pod>(Some(NS)).get("other-0").await.unwrap();
         assert!(
@@ -1157,7 +1166,7 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
         );
         let other_va = other_va.unwrap();
         assert!(vas.get_opt(&other_va).await.unwrap().is_some());
-        assert!(force_detached.is_empty(), "{force_detached:?}");
+        assert_eq!(adc.attached_nodes("pv-other-0"), vec!["n1"]);
         // Control: an operator confirms the node is off and sets the taint; the model now
         // evicts and force-deletes other-0 and force-detaches its volume, unfenced.
         let mut n1 = c.api::<Node>(None).get("n1").await.unwrap();
@@ -1173,9 +1182,9 @@ async fn the_out_of_service_taint_is_withheld_while_another_drivers_volume_is_on
             });
         c.api::<Node>(None).replace(&n1).await.unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        while !force_detached.contains(&other_va) {
+        while vas.get_opt(&other_va).await.unwrap().is_some() {
             assert!(std::time::Instant::now() < deadline, "model never detached");
-            force_detached.extend(kcm_round(&te, &gc, &adc).await);
+            kcm_round(&te, &gc, &adc).await;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         h.shutdown().await.unwrap();

@@ -18,12 +18,15 @@
 //!   tolerating them for a default period (300 s in Kubernetes); the out-of-service taint is
 //!   never tolerated by default. That is how pods on a dead node become "terminating".
 //!
+//! - [`attach_detach`]: the attach-detach controller, with its own view of what is
+//!   attached, its Multi-Attach refusal, and detach gated on `volumesInUse`.
 //! - [`out_of_service`]: what upstream PodGC and the attach-detach controller do on a
 //!   node with the out-of-service taint (force-delete, force-detach).
 //!
 //! Each is a small struct with a `spawn()` returning a handle (or a `reconcile()` a test
 //! steps); every time value is configurable so tests can work in seconds.
 
+pub mod attach_detach;
 pub mod out_of_service;
 
 use std::collections::HashMap;

@@ -1,19 +1,11 @@
-//! What kube-controller-manager does on a node that carries the out-of-service taint,
-//! reduced to the two effects podgc must reason about (the taint manager's eviction is in
-//! [`super::TaintEviction`]):
-//!
-//! - [`OutOfServicePodGc`], upstream PodGC's `gcTerminating`: every terminating pod on a
-//!   NotReady node with the taint is marked `Failed` and force-deleted, whatever its
-//!   volumes are.
-//! - [`OutOfServiceDetach`], the attach-detach controller's force detach: a
-//!   VolumeAttachment on such a node whose volume no pod on the node uses any more is
-//!   deleted at once, without waiting for the node to report it unmounted and whatever
-//!   the driver. With a CSI driver that cannot fence, that is two writers.
-//!
-//! Both are plain `reconcile()` rounds, so tests can step them deterministically.
+//! Upstream PodGC on a node that carries the out-of-service taint (`gcTerminating`):
+//! every terminating pod on a NotReady node with the taint is marked `Failed` and
+//! force-deleted, whatever its volumes are. The taint manager's eviction is
+//! [`super::TaintEviction`], the attach-detach controller's forced detach
+//! [`super::attach_detach`]; with a CSI driver that cannot fence, the three together make
+//! two writers. A plain `reconcile()` round, so tests can step it deterministically.
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod, PodCondition};
-use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::api::core::v1::{Node, Pod, PodCondition};
 
 use super::{ready_condition, time_now};
 use crate::error::Result;
@@ -105,76 +97,5 @@ impl OutOfServicePodGc {
             }
         }
         Ok(deleted)
-    }
-}
-
-/// The attach-detach controller's force detach on out-of-service nodes.
-#[derive(Debug, Clone)]
-pub struct OutOfServiceDetach {
-    cluster: Cluster,
-}
-
-impl OutOfServiceDetach {
-    pub fn new(cluster: &Cluster) -> Self {
-        OutOfServiceDetach {
-            cluster: cluster.clone(),
-        }
-    }
-
-    /// One round; returns the VolumeAttachments it deleted.
-    pub async fn reconcile(&self) -> Result<Vec<String>> {
-        let mut detached = Vec::new();
-        for node in out_of_service_nodes(&self.cluster).await? {
-            let pods = self
-                .cluster
-                .api::<Pod>(None)
-                .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
-                .await?
-                .items;
-            let mut in_use = std::collections::HashSet::new();
-            for p in &pods {
-                let ns = p.metadata.namespace.clone().unwrap_or_default();
-                let claims = p
-                    .spec
-                    .iter()
-                    .flat_map(|s| s.volumes.iter().flatten())
-                    .filter_map(|v| v.persistent_volume_claim.as_ref());
-                for c in claims {
-                    let pvc = self
-                        .cluster
-                        .api::<PersistentVolumeClaim>(Some(&ns))
-                        .get_opt(&c.claim_name)
-                        .await?;
-                    if let Some(pv) = pvc.and_then(|c| c.spec).and_then(|s| s.volume_name) {
-                        in_use.insert(pv);
-                    }
-                }
-            }
-            let vas = self
-                .cluster
-                .api::<VolumeAttachment>(None)
-                .list_filtered(&ListParams::default(), |va| {
-                    va.spec.node_name == node && va.metadata.deletion_timestamp.is_none()
-                })
-                .await?;
-            for va in vas {
-                let pv = va.spec.source.persistent_volume_name.clone();
-                if pv.as_ref().is_some_and(|pv| in_use.contains(pv)) {
-                    continue;
-                }
-                let name = va.metadata.name.clone().unwrap_or_default();
-                match self
-                    .cluster
-                    .api::<VolumeAttachment>(None)
-                    .delete(&name, &DeleteOptions::default())
-                    .await
-                {
-                    Ok(_) => detached.push(name),
-                    Err(e) if e.is_not_found() => {}
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        Ok(detached)
     }
 }
