@@ -2,20 +2,25 @@
 //! VolumeAttachment is attached, NodeStage + NodePublish through its node plugin, starts
 //! the "container" (a writer process on the published dir) and marks the pod Running. For
 //! pods being deleted (or gone): kills the container, NodeUnpublish, NodeUnstage, and
-//! finishes the deletion. A stopped kubelet does nothing at all; its containers keep
-//! running and its node plugin keeps serving (the partitioned node).
+//! finishes the deletion. It lists what it has staged, or is about to stage, in the
+//! node's `status.volumesInUse` (before the mount, as the kubelet does): the attach-detach
+//! controller does not detach a volume listed there. A stopped kubelet does nothing at
+//! all; its containers keep running, its node plugin keeps serving and its last
+//! `volumesInUse` stays (the partitioned node).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
+use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
 use fencecsi_cluster::k8s_openapi::api::core::v1::{
     PersistentVolume, PersistentVolumeClaim, Pod, PodCondition, PodStatus,
 };
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::sim::attach_detach::csi_unique_name;
 use fencecsi_cluster::well_known::{volume_attachment_name, DRIVER_NAME};
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
 use fencecsi_proto::client::CsiClient;
@@ -76,6 +81,8 @@ struct State {
     /// volume handle → staging path
     staged: HashMap<String, PathBuf>,
     last_err: HashMap<String, String>,
+    /// The node's `volumesInUse` as last written.
+    reported: Option<BTreeSet<String>>,
 }
 
 pub struct Kubelet {
@@ -163,6 +170,7 @@ impl Kubelet {
         }
         st.staged.clear();
         st.last_err.clear();
+        st.reported = None;
         drop(st);
         self.progress.say(format!(
             "kubelet {}: rebooted; {n} container(s) killed, kubelet running again",
@@ -265,6 +273,29 @@ impl Ctx {
             let s = st.started.remove(&uid).unwrap();
             self.teardown(st, s, &uid).await;
         }
+        self.report_in_use(st, None).await
+    }
+
+    /// Writes the node's `volumesInUse`: what is staged, and `staging` (about to be).
+    async fn report_in_use(&self, st: &mut State, staging: Option<&str>) -> anyhow::Result<()> {
+        let want: BTreeSet<String> = st
+            .staged
+            .keys()
+            .map(String::as_str)
+            .chain(staging)
+            .map(|h| csi_unique_name(DRIVER_NAME, h))
+            .collect();
+        if st.reported.as_ref() == Some(&want) {
+            return Ok(());
+        }
+        self.cluster
+            .api::<Node>(None)
+            .patch_status_merge(
+                &self.node,
+                &serde_json::json!({ "status": { "volumesInUse": want } }),
+            )
+            .await?;
+        st.reported = Some(want);
         Ok(())
     }
 
@@ -333,6 +364,7 @@ impl Ctx {
             .collect();
         let staging = staging_path(&self.dir, &handle);
         if !st.staged.contains_key(&handle) {
+            self.report_in_use(st, Some(&handle)).await?;
             retry_aborted(|| {
                 let mut c = self.client.clone();
                 let req = csi::NodeStageVolumeRequest {

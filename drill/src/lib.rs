@@ -49,8 +49,12 @@ pub struct Options {
     /// podgc's shutdown grace (production default: 30 s).
     pub podgc_shutdown_grace: Duration,
     /// Also start a pod whose PV belongs to a driver without the safe-detach annotation:
-    /// podgc must leave it terminating, with a Warning event.
+    /// podgc must then withhold the out-of-service taint and leave that pod alone.
     pub unsafe_pod: bool,
+    /// The attach-detach controller's verification period
+    /// (`--attach-detach-reconcile-sync-period`, 60 s in Kubernetes): how long it may
+    /// believe a volume still attached after its VolumeAttachment went behind its back.
+    pub adc_sync_period: Duration,
     /// Where progress lines go (already prefixed with the time since the start).
     pub progress: Progress,
 }
@@ -71,6 +75,7 @@ impl Options {
             toleration_seconds: 300,
             podgc_shutdown_grace: Duration::from_secs(1),
             unsafe_pod: false,
+            adc_sync_period: Duration::from_secs(60),
             progress: Progress::stderr(),
         }
     }

@@ -109,6 +109,10 @@ pub struct Report {
     pub per_volume: Vec<VolumeResult>,
     pub comparison: Option<Comparison>,
     pub unsafe_pod: Option<UnsafePodResult>,
+    /// Times a pod waited because the attach-detach controller still saw its volume on
+    /// another node ("Multi-Attach error"), and how many of those waits were still open
+    /// when the failover ended.
+    pub multi_attach_errors: usize,
     pub env_dir: String,
     pub leftover_mounts: usize,
     pub leftover_loop_devices: usize,
@@ -118,7 +122,13 @@ pub struct Report {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct UnsafePodResult {
-    pub still_terminating: bool,
+    /// The pod is still there and was never evicted (no deletion started).
+    pub untouched: bool,
+    /// Its VolumeAttachment on node A is still there.
+    pub attachment_kept: bool,
+    /// Node A never got the out-of-service taint.
+    pub no_out_of_service_taint: bool,
+    /// podgc's `OutOfServiceTaintWithheld` Warning on node A.
     pub warning_event: Option<String>,
 }
 
@@ -172,10 +182,16 @@ impl Report {
             self.bytes_after_fence
         ));
         p.raw(format!("  quarantine lifted: {}", self.quarantine_lifted));
+        p.raw(format!(
+            "  Multi-Attach waits (the attach-detach controller still saw a volume on node A): {}",
+            self.multi_attach_errors
+        ));
         if let Some(u) = &self.unsafe_pod {
             p.raw(format!(
-                "  pod of a driver without safe-detach: still terminating {}, event: {}",
-                u.still_terminating,
+                "  pod of a driver without safe-detach: untouched {}, attachment kept {}, no out-of-service taint {}, Warning: {}",
+                u.untouched,
+                u.attachment_kept,
+                u.no_out_of_service_taint,
                 u.warning_event.as_deref().unwrap_or("none")
             ));
         }

@@ -1,9 +1,9 @@
 //! What a real cluster has and the embedded one does not, reduced to what the drill needs:
-//! a provisioner (external-provisioner), an attach-detach controller (kube-controller-
-//! manager's) and a StatefulSet controller. Each is a small polling loop over the cluster
+//! a provisioner (external-provisioner) and a StatefulSet controller. The attach-detach
+//! controller is `fencecsi_cluster::sim::attach_detach`, shared with the tests. Each is a small polling loop over the cluster
 //! seam.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,14 +13,10 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, Container, ObjectReference, PersistentVolume, PersistentVolumeClaim,
     PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod, PodSpec, Toleration, Volume,
 };
-use fencecsi_cluster::k8s_openapi::api::storage::v1::{
-    VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec,
-};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use fencecsi_cluster::sim::{ready_condition, NOT_READY_TAINT_KEY, UNREACHABLE_TAINT_KEY};
-use fencecsi_cluster::well_known::volume_attachment_name;
-use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
+use fencecsi_cluster::{Cluster, ListParams};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::rig::retry_aborted;
 use fencecsi_tests::{csi, mount_cap, Access};
@@ -204,118 +200,6 @@ async fn provision(
 }
 
 // ---------------------------------------------------------------------------------------
-
-/// The attach-detach controller: a pod on a node with a CSI PV of `driver` gets the
-/// VolumeAttachment `volume_attachment_name(handle, driver, node)`; the attachment is
-/// deleted once no pod on that node uses the PV any more.
-pub fn attach_detach(cluster: &Cluster, drivers: Vec<String>, progress: Progress) -> Task {
-    let cluster = cluster.clone();
-    every(Duration::from_millis(100), move || {
-        let (cluster, drivers, progress) = (cluster.clone(), drivers.clone(), progress.clone());
-        async move {
-            let pods = cluster
-                .api::<Pod>(None)
-                .list(&ListParams::default())
-                .await?
-                .items;
-            let mut users: HashSet<String> = HashSet::new();
-            let mut pvc_cache: HashMap<(String, String), Option<String>> = HashMap::new();
-            for p in &pods {
-                let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
-                    continue;
-                };
-                let ns = p.metadata.namespace.clone().unwrap_or_default();
-                let claims: Vec<String> = p
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.volumes.clone())
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter_map(|v| v.persistent_volume_claim.map(|c| c.claim_name))
-                    .collect();
-                for claim in claims {
-                    let key = (ns.clone(), claim.clone());
-                    if !pvc_cache.contains_key(&key) {
-                        let pv = cluster
-                            .api::<PersistentVolumeClaim>(Some(&ns))
-                            .get_opt(&claim)
-                            .await?
-                            .and_then(|c| c.spec.and_then(|s| s.volume_name));
-                        pvc_cache.insert(key.clone(), pv);
-                    }
-                    let Some(pv_name) = pvc_cache[&key].clone() else {
-                        continue;
-                    };
-                    let Some(pv) = cluster
-                        .api::<PersistentVolume>(None)
-                        .get_opt(&pv_name)
-                        .await?
-                    else {
-                        continue;
-                    };
-                    let Some(src) = pv.spec.and_then(|s| s.csi) else {
-                        continue;
-                    };
-                    if !drivers.contains(&src.driver) {
-                        continue;
-                    }
-                    let name = volume_attachment_name(&src.volume_handle, &src.driver, &node);
-                    users.insert(name.clone());
-                    if p.metadata.deletion_timestamp.is_some() {
-                        continue;
-                    }
-                    let vas = cluster.api::<VolumeAttachment>(None);
-                    if vas.get_opt(&name).await?.is_none() {
-                        let va = VolumeAttachment {
-                            metadata: ObjectMeta {
-                                name: Some(name.clone()),
-                                ..Default::default()
-                            },
-                            spec: VolumeAttachmentSpec {
-                                attacher: src.driver.clone(),
-                                node_name: node.clone(),
-                                source: VolumeAttachmentSource {
-                                    persistent_volume_name: Some(pv_name.clone()),
-                                    ..Default::default()
-                                },
-                            },
-                            status: None,
-                        };
-                        match vas.create(&va).await {
-                            Ok(_) => progress.say(format!(
-                                "attach-detach: VolumeAttachment {}… for {pv_name} on {node} created",
-                                &name[..16]
-                            )),
-                            Err(e) if e.is_already_exists() => {}
-                            Err(e) => return Err(e.into()),
-                        }
-                    }
-                }
-            }
-            let vas = cluster.api::<VolumeAttachment>(None);
-            for va in vas.list(&ListParams::default()).await?.items {
-                let name = va.metadata.name.clone().unwrap_or_default();
-                if va.metadata.deletion_timestamp.is_some()
-                    || !drivers.contains(&va.spec.attacher)
-                    || users.contains(&name)
-                {
-                    continue;
-                }
-                match vas.delete(&name, &DeleteOptions::default()).await {
-                    Ok(_) => progress.say(format!(
-                        "attach-detach: no pod on {} uses {} any more: VolumeAttachment {}… deleted",
-                        va.spec.node_name,
-                        va.spec.source.persistent_volume_name.clone().unwrap_or_default(),
-                        &name[..16]
-                    )),
-                    Err(e) if e.is_not_found() => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            Ok(())
-        }
-    })
-}
 
 // ---------------------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@
 use std::sync::atomic::Ordering;
 
 use anyhow::anyhow;
-use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Pod};
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::well_known::*;
 use fencecsi_cluster::{Cluster, ListParams};
 use fencecsi_tests::records;
@@ -129,30 +130,56 @@ pub(super) async fn verify_on_b(
     }
 }
 
-/// The pod of the driver without safe detach: podgc must have left it terminating, with
-/// a Warning event.
+/// The pod of the driver without safe detach: with it on node A, podgc must not set the
+/// out-of-service taint (it would make Kubernetes force-delete the pod and force-detach
+/// its volume, unfenced), must say so in a Warning, and must leave the pod and its
+/// attachment alone.
 pub(super) async fn unsafe_pod(
     cluster: &Cluster,
+    node_a: &str,
     opts: &Options,
 ) -> anyhow::Result<UnsafePodResult> {
     let p = &opts.progress;
-    let pods = cluster.api::<Pod>(Some(NAMESPACE));
-    let other = pods.get_opt("other-0").await?;
+    let other = cluster
+        .api::<Pod>(Some(NAMESPACE))
+        .get_opt("other-0")
+        .await?;
+    let attachment_kept = cluster
+        .api::<VolumeAttachment>(None)
+        .list_filtered(&ListParams::default(), |va| {
+            va.spec.source.persistent_volume_name.as_deref() == Some("pv-other")
+                && va.spec.node_name == node_a
+                && va.metadata.deletion_timestamp.is_none()
+        })
+        .await?
+        .len()
+        == 1;
+    let node = cluster.api::<Node>(None).get(node_a).await?;
+    let no_out_of_service_taint = !node
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .iter()
+        .any(|t| t.key == OUT_OF_SERVICE_TAINT_KEY);
     let ev = cluster
         .api::<Event>(None)
         .list_filtered(&ListParams::default(), |e| {
-            e.reason.as_deref() == Some("ForceDeleteSkipped")
+            e.reason.as_deref() == Some("OutOfServiceTaintWithheld")
                 && e.type_.as_deref() == Some("Warning")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("other-0")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node_a)
         })
         .await?;
     let r = UnsafePodResult {
-        still_terminating: other.is_some_and(|o| o.metadata.deletion_timestamp.is_some()),
+        untouched: other.is_some_and(|o| o.metadata.deletion_timestamp.is_none()),
+        attachment_kept,
+        no_out_of_service_taint,
         warning_event: ev.first().and_then(|e| e.note.clone()),
     };
     p.say(format!(
-        "pod other-0 (driver without safe-detach): still terminating={}, Warning event: {}",
-        r.still_terminating,
+        "pod other-0 (driver without safe-detach): untouched={}, attachment kept={}, no out-of-service taint={}, Warning: {}",
+        r.untouched,
+        r.attachment_kept,
+        r.no_out_of_service_taint,
         r.warning_event.as_deref().unwrap_or("none")
     ));
     Ok(r)

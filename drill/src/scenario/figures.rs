@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use fencecsi_cluster::well_known::*;
 use fencecsi_tests::records;
 
 use super::observer::{Obs, Shared};
@@ -34,7 +33,7 @@ pub(super) fn volume_results(
         };
         if !v.deleted_with_condition {
             failures.push(format!(
-                "{}: deleted without a DisruptionTarget/{DELETION_BY_PODGC_REASON} condition or not force-deleted",
+                "{}: not force-deleted, or deleted without the DisruptionTarget condition and the Failed phase",
                 v.pod
             ));
         }
@@ -123,6 +122,7 @@ pub(super) fn report(
         per_volume,
         comparison,
         unsafe_pod,
+        multi_attach_errors: 0,
         env_dir: String::new(),
         leftover_mounts: 0,
         leftover_loop_devices: 0,

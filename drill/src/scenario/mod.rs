@@ -160,7 +160,7 @@ async fn scenario(
         tokio::time::sleep(Duration::from_millis(500)).await;
         let fenced_diff = evidence::compare_fenced(&vols, &mut failures).await?;
         if opts.unsafe_pod {
-            unsafe_result = Some(failover::unsafe_pod(&cluster, opts).await?);
+            unsafe_result = Some(failover::unsafe_pod(&cluster, &node_a, opts).await?);
         }
 
         // --- node A returns --------------------------------------------------------------------------
@@ -174,16 +174,14 @@ async fn scenario(
         failures.extend(o.problems.iter().cloned());
     }
 
+    let multi_attach_errors = rig.adc_model.multi_attach_errors();
+
     // --- graceful teardown ------------------------------------------------------------------------
     teardown::graceful(&cluster, opts, rig, observer).await;
 
     // --- report -----------------------------------------------------------------------------------
     let o = shared.lock().unwrap();
-    Ok(figures::report(
-        opts,
-        &o,
-        per_volume,
-        unsafe_result,
-        failures,
-    ))
+    let mut report = figures::report(opts, &o, per_volume, unsafe_result, failures);
+    report.multi_attach_errors = multi_attach_errors;
+    Ok(report)
 }

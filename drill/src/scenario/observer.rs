@@ -90,11 +90,12 @@ pub(super) fn observer(
                     .as_ref()
                     .and_then(|s| s.conditions.as_ref())
                     .is_some_and(|cs| {
-                        cs.iter().any(|c| {
-                            c.type_ == DISRUPTION_TARGET_CONDITION
-                                && c.reason.as_deref() == Some(DELETION_BY_PODGC_REASON)
-                        })
+                        // Whoever started the disruption (the taint manager's eviction,
+                        // or podgc) names it; podgc keeps the reason it finds.
+                        cs.iter()
+                            .any(|c| c.type_ == DISRUPTION_TARGET_CONDITION && c.status == "True")
                     })
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")
                     && p.metadata.deletion_grace_period_seconds == Some(0);
                 del.lock().unwrap().insert(
                     p.metadata.uid.clone().unwrap_or_default(),

@@ -2,6 +2,7 @@
 //! and podgc, the stand-ins, the PVCs and the StatefulSet whose pods start on node A.
 //! Everything started here is held in a [`Rig`] until the teardown.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -15,6 +16,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use fencecsi_cluster::sim::attach_detach::{AttachDetach, AttachDetachConfig};
 use fencecsi_cluster::sim::{self, HeartbeatHandle, SimHandle};
 use fencecsi_cluster::well_known::*;
 use fencecsi_cluster::{Cluster, ListParams};
@@ -36,7 +38,9 @@ use crate::{Options, NAMESPACE, STORAGE_CLASS, UNSAFE_DRIVER};
 pub(super) struct Rig {
     pub(super) sts: Task,
     pub(super) kubelets: Vec<Kubelet>,
-    pub(super) adc: Task,
+    pub(super) adc: SimHandle,
+    /// The attach-detach model itself (its Multi-Attach count goes into the figures).
+    pub(super) adc_model: AttachDetach,
     pub(super) provisioner: Task,
     pub(super) podgc: PodGcHandle,
     pub(super) attacher: AttacherHandle,
@@ -204,7 +208,21 @@ pub(super) async fn start(
         size,
         p.clone(),
     );
-    let adc = standins::attach_detach(cluster, vec![DRIVER_NAME.to_string()], p.clone());
+    // The attach-detach controller keeps its own view of what is attached; the unsafe
+    // driver's volume is attached too (by nobody), so its VolumeAttachment is there to stay.
+    let adc_model = AttachDetach::new(
+        cluster,
+        AttachDetachConfig {
+            drivers: vec![DRIVER_NAME.to_string(), UNSAFE_DRIVER.to_string()],
+            sync_period: opts.adc_sync_period,
+            ..Default::default()
+        },
+    )
+    .with_say({
+        let p = p.clone();
+        Arc::new(move |m| p.say(format!("attach-detach: {m}")))
+    });
+    let adc = adc_model.clone().spawn();
     let mut kubelets = Vec::new();
     for (i, n) in names.iter().enumerate() {
         kubelets.push(Kubelet::spawn(
@@ -256,6 +274,7 @@ pub(super) async fn start(
         sts,
         kubelets,
         adc,
+        adc_model,
         provisioner,
         podgc,
         attacher,

@@ -20,6 +20,7 @@ pub(super) async fn graceful(cluster: &Cluster, opts: &Options, rig: Rig, observ
         sts,
         kubelets,
         adc,
+        adc_model: _,
         provisioner,
         podgc,
         attacher,
@@ -68,7 +69,7 @@ pub(super) async fn graceful(cluster: &Cluster, opts: &Options, rig: Rig, observ
     for k in kubelets {
         k.shutdown().await;
     }
-    drop(adc);
+    adc.shutdown().await;
     drop(provisioner);
     let _ = podgc.shutdown().await;
     let _ = attacher.shutdown().await;
