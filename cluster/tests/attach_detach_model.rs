@@ -128,7 +128,10 @@ async fn the_model_keeps_its_own_view() {
     gone(&c, "p1").await;
     pod(&c, "p2", "b").await;
     adc.reconcile().await.unwrap();
-    assert!(exists(&c, &va_a).await, "detached while still in volumesInUse");
+    assert!(
+        exists(&c, &va_a).await,
+        "detached while still in volumesInUse"
+    );
     assert!(!exists(&c, &va_b).await);
     assert_eq!(adc.multi_attach_errors(), 1);
 

@@ -132,6 +132,24 @@ pub struct Config {
     /// Kubeconfig for --report-node-clean (default: in-cluster config, then ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<std::path::PathBuf>,
+
+    /// Node-local state: the identity of the state dir this node last saw (node recovery
+    /// refuses to act on another one). Must survive plugin restarts and must not lie in
+    /// the state dir. Default: <kubelet-dir>/plugins/<driver-name> (the plugin's socket dir).
+    #[arg(long)]
+    pub node_state_dir: Option<PathBuf>,
+
+    /// Node recovery refuses to act unless --state-dir is a mount point. Set it when the
+    /// state dir is a filesystem of its own on the host (a disk, a network mount) that may
+    /// not be mounted yet. (Inside a container a hostPath is always a mount point; there
+    /// the state dir's identity is what protects.)
+    #[arg(long)]
+    pub state_dir_must_be_mount: bool,
+
+    /// Where the kernel boot ID is read from (the topology value of a new state dir).
+    /// Only tests change it, to fake a reboot.
+    #[arg(long, default_value = crate::state_id::BOOT_ID_PATH, hide = true)]
+    pub boot_id_file: PathBuf,
 }
 
 impl Config {
@@ -144,10 +162,21 @@ impl Config {
                 Some(id) => crate::ids::check_token("node ID", id).map_err(|e| e.to_string())?,
             }
         }
+        if self.mode.node() && self.node_state_dir().starts_with(&self.state_dir) {
+            // It must tell whether the state dir is the right one, so it cannot live there.
+            return Err("the node state dir must not lie inside --state-dir".into());
+        }
         if self.driver_name.is_empty() || self.driver_name.len() > 63 {
             return Err("--driver-name must be 1-63 characters".into());
         }
         Ok(())
+    }
+
+    /// Where this node plugin keeps its own state (see `--node-state-dir`).
+    pub fn node_state_dir(&self) -> PathBuf {
+        self.node_state_dir
+            .clone()
+            .unwrap_or_else(|| self.kubelet_dir.join("plugins").join(&self.driver_name))
     }
 
     pub fn socket_path(&self) -> Result<PathBuf, String> {
@@ -191,6 +220,9 @@ impl Config {
             report_node_clean: false,
             node_name: None,
             kubeconfig: None,
+            node_state_dir: None,
+            state_dir_must_be_mount: false,
+            boot_id_file: PathBuf::from(crate::state_id::BOOT_ID_PATH),
         }
     }
 }

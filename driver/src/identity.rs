@@ -6,20 +6,26 @@ use fencecsi_proto::v1::plugin_capability::{
     VolumeExpansion,
 };
 use fencecsi_proto::v1::*;
+use std::sync::Arc;
+
 use tonic::{Request, Response, Status};
 
 use crate::config::Config;
+use crate::node::state_guard::StateGuard;
 
 pub struct IdentityService {
     name: String,
     controller: bool,
+    /// The node plugin's state dir check (node modes).
+    state_guard: Option<Arc<StateGuard>>,
 }
 
 impl IdentityService {
-    pub fn new(cfg: &Config) -> Self {
+    pub fn new(cfg: &Config, state_guard: Option<Arc<StateGuard>>) -> Self {
         Self {
             name: cfg.driver_name.clone(),
             controller: cfg.mode.controller(),
+            state_guard,
         }
     }
 }
@@ -72,7 +78,16 @@ impl Identity for IdentityService {
         }))
     }
 
+    /// Not ready while node recovery refuses to act on a state dir that looks wrong: the
+    /// liveness probe then fails, which shows the fault on the pod (events, restarts) and a
+    /// restart checks again. Nothing is unmounted either way.
     async fn probe(&self, _r: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
-        Ok(Response::new(ProbeResponse { ready: Some(true) }))
+        let refused = self.state_guard.as_ref().and_then(|g| g.refusal());
+        if let Some(why) = &refused {
+            tracing::debug!(reason = %why, "Probe: not ready");
+        }
+        Ok(Response::new(ProbeResponse {
+            ready: Some(refused.is_none()),
+        }))
     }
 }

@@ -23,3 +23,4 @@ pub mod node;
 pub mod paths;
 pub mod rpc;
 pub mod server;
+pub mod state_id;

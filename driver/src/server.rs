@@ -103,9 +103,15 @@ pub async fn serve_with(
     let listener = bind(&socket)?;
     tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, "serving CSI");
 
-    let gc_task = controller
-        .as_ref()
-        .map(|c| spawn_gc(c.clone(), cfg.gc_interval.max(Duration::from_secs(1))));
+    let (gc_stop, gc_stopped) = tokio::sync::watch::channel(false);
+    let gc_task = controller.as_ref().map(|c| {
+        spawn_gc(
+            c.clone(),
+            cfg.gc_interval.max(Duration::from_secs(1)),
+            gc_stopped,
+        )
+    });
+    let owner = controller.clone();
     if cfg.report_node_clean && hooks.clean_reporter.is_none() && node.is_some() {
         hooks.clean_reporter = Some(node_clean_reporter(&cfg).await?);
     }
@@ -130,14 +136,22 @@ pub async fn serve_with(
         _ => None,
     };
     let router = tonic::transport::Server::builder()
-        .add_service(IdentityServer::new(IdentityService::new(&cfg)))
+        .add_service(IdentityServer::new(IdentityService::new(
+            &cfg,
+            node.as_ref().map(|n| n.guard.clone()),
+        )))
         .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
         .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))));
     let result = router
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await;
+    // Let a running collection finish (it writes metadata) before giving up the state dir.
+    let _ = gc_stop.send(true);
     if let Some(t) = gc_task {
-        t.abort();
+        let _ = t.await;
+    }
+    if let Some(c) = owner {
+        c.release_ownership();
     }
     if let Some(r) = recovery {
         r.abort();
@@ -147,11 +161,18 @@ pub async fn serve_with(
     Ok(result?)
 }
 
-fn spawn_gc(c: Arc<Controller>, every: Duration) -> tokio::task::JoinHandle<()> {
+fn spawn_gc(
+    c: Arc<Controller>,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
             let c = c.clone();
             if let Ok(n) = tokio::task::spawn_blocking(move || c.collect_garbage()).await {
                 if n > 0 {

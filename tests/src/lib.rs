@@ -9,6 +9,7 @@
 
 pub mod bench;
 pub mod records;
+pub mod recovering;
 pub mod rig;
 pub mod writer;
 
@@ -368,7 +369,15 @@ impl Process {
             .arg("--driver-name")
             .arg(&cfg.driver_name)
             .arg("--direct-io")
-            .arg(cfg.direct_io.to_string());
+            .arg(cfg.direct_io.to_string())
+            .arg("--boot-id-file")
+            .arg(&cfg.boot_id_file);
+        if let Some(d) = &cfg.node_state_dir {
+            cmd.arg("--node-state-dir").arg(d);
+        }
+        if cfg.state_dir_must_be_mount {
+            cmd.arg("--state-dir-must-be-mount");
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());

@@ -33,24 +33,27 @@ pub const CTX_FS_TYPE: &str = "loop.fencecsi.io/fs-type";
 pub const CTX_READONLY: &str = "loop.fencecsi.io/readonly";
 /// Key of the volume_context carrying the filesystem.
 pub const VOL_CTX_FS_TYPE: &str = "fsType";
-/// Topology key: nodes and controller sharing a kernel can share loop-image volumes.
+/// Topology key: nodes and controller sharing a kernel and a state dir can share
+/// loop-image volumes. Its value is the state dir's (reboot-proof) topology value, see
+/// [`crate::state_id`]; the key keeps its old name because PVs carry it.
 pub const TOPOLOGY_KEY: &str = "topology.loop.fencecsi.io/kernel";
 
-/// The value of [`TOPOLOGY_KEY`] for this machine: its kernel boot ID.
-pub fn kernel_segment() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+/// The topology [`TOPOLOGY_KEY`] = `value`.
+pub fn topology_of(value: &str) -> Topology {
+    Topology {
+        segments: [(TOPOLOGY_KEY.to_string(), value.to_string())].into(),
+    }
 }
 
 pub struct Controller {
-    /// Held for the controller's lifetime: one controller per state dir.
-    _owner: OwnerLock,
+    /// Held until [`Controller::release_ownership`]: one controller per state dir.
+    owner: std::sync::Mutex<Option<OwnerLock>>,
     pub(crate) cfg: Config,
     pub(crate) store: MetaStore,
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) inflight: InFlight,
-    pub(crate) kernel: String,
+    /// The state dir's identity; its topology value is what volumes are accessible from.
+    pub(crate) state_id: crate::state_id::StateId,
     /// What the start-up probe of the fence on the state dir found: Err
     /// says why the fence is not offered (UNPUBLISH_FENCE not advertised,
     /// fence requests answered FAILED_PRECONDITION).
@@ -97,6 +100,11 @@ impl Controller {
     pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
         std::fs::create_dir_all(&cfg.state_dir)?;
         let owner = OwnerLock::acquire(&cfg.state_dir)?;
+        let (state_id, made) = crate::state_id::ensure(&cfg.state_dir, &cfg.boot_id_file)
+            .map_err(std::io::Error::other)?;
+        if made {
+            tracing::info!(state_dir = %cfg.state_dir.display(), id = %state_id.id, topology = %state_id.topology, "state dir identity made");
+        }
         let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
         let store = MetaStore::open(&cfg.state_dir)?;
         tracing::info!(state_dir = %cfg.state_dir.display(), volumes = store.volumes().len(), "controller state loaded");
@@ -111,14 +119,21 @@ impl Controller {
             }
         }
         Ok(Arc::new(Controller {
-            _owner: owner,
+            owner: std::sync::Mutex::new(Some(owner)),
             cfg,
             store,
             backend: Arc::new(backend),
             inflight: InFlight::new(),
-            kernel: kernel_segment(),
+            state_id,
             fence,
         }))
+    }
+
+    /// Lets a successor open the state dir. Called by the server once it has stopped (no
+    /// call in flight, garbage collection ended): its connection tasks may keep this object
+    /// alive a little longer, and a successor must not be refused because of them.
+    pub fn release_ownership(&self) {
+        self.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 
     pub(crate) fn fence_available(&self) -> bool {
@@ -133,9 +148,7 @@ impl Controller {
     }
 
     pub(crate) fn topology(&self) -> Topology {
-        Topology {
-            segments: [(TOPOLOGY_KEY.to_string(), self.kernel.clone())].into(),
-        }
+        topology_of(&self.state_id.topology)
     }
 
     /// A client's volume ID that must name an existing volume of ours.

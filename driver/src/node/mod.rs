@@ -1,14 +1,16 @@
 //! The CSI Node service: loop devices and mounts on this node.
 //!
-//! Nothing here keeps state of its own: what is staged and published is read
-//! back from the kernel (loop devices by backing inode and tag, the mount
-//! table), so a plugin killed between any two steps finds its work on restart
-//! and a retried call completes it without doubling anything.
+//! What is staged and published is not kept here: it is read back from the
+//! kernel (loop devices by backing inode and tag, the mount table), so a plugin
+//! killed between any two steps finds its work on restart and a retried call
+//! completes it without doubling anything. The one thing the node keeps is the
+//! identity of the state dir it uses (`state_guard`).
 
 mod publish;
 pub mod recover;
 pub mod report;
 mod stage;
+pub mod state_guard;
 mod stats;
 
 use std::path::{Path, PathBuf};
@@ -23,7 +25,6 @@ use crate::backend::image::ImageBackend;
 use crate::backend::meta::{now_nanos, MetaStore, NodeRecord, VolumeMeta};
 use crate::backend::Backend;
 use crate::config::Config;
-use crate::controller::TOPOLOGY_KEY;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
 use crate::locks::InFlight;
@@ -75,6 +76,8 @@ pub struct Node {
     pub(crate) roots: AllowedRoots,
     pub(crate) backend: ImageBackend,
     pub(crate) inflight: InFlight,
+    /// Whether the state dir is the one this node's volumes live in (recovery and Probe).
+    pub(crate) guard: Arc<state_guard::StateGuard>,
 }
 
 impl Node {
@@ -84,6 +87,11 @@ impl Node {
             .clone()
             .ok_or_else(|| std::io::Error::other("node mode needs --node-id"))?;
         std::fs::create_dir_all(&cfg.kubelet_dir)?;
+        let roots = AllowedRoots::new([cfg.kubelet_dir.clone()]);
+        let guard = Arc::new(state_guard::StateGuard::new(&cfg));
+        // Once at start, before anything below creates the state dir, so that a missing one
+        // is reported as such, and so that Probe tells the truth also when recovery is off.
+        let _ = recover::check_state_dir(&guard, &node_id, &roots);
         let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
         if let Err(e) = crate::fsutil::check_tools() {
             tracing::warn!(error = %e, "filesystem tools missing: staging filesystem volumes will fail");
@@ -96,7 +104,6 @@ impl Node {
                 registered_at: now_nanos(),
             },
         )?;
-        let roots = AllowedRoots::new([cfg.kubelet_dir.clone()]);
         tracing::info!(node = %node_id, kubelet_dir = %cfg.kubelet_dir.display(), "node plugin registered");
         Ok(Arc::new(Node {
             cfg,
@@ -104,6 +111,7 @@ impl Node {
             roots,
             backend,
             inflight: InFlight::new(),
+            guard,
         }))
     }
 
@@ -249,13 +257,7 @@ impl CsiNode for NodeService {
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.0.node_id.clone(),
             max_volumes_per_node: self.0.cfg.max_volumes_per_node.max(0),
-            accessible_topology: Some(Topology {
-                segments: [(
-                    TOPOLOGY_KEY.to_string(),
-                    crate::controller::kernel_segment(),
-                )]
-                .into(),
-            }),
+            accessible_topology: Some(crate::controller::topology_of(&self.0.guard.topology())),
         }))
     }
 }

@@ -8,9 +8,14 @@
 //! volume to this node again until it lets go (see `controller::attach`), and the frozen
 //! generation cannot be garbage-collected. Recovery lets go:
 //!
+//! 0. Check the state dir (`state_guard`): a pass acts on what its metadata says, so it does
+//!    nothing at all while the state dir is missing, has no identity, is not the one this
+//!    node remembers, or is not mounted when it must be, and something of ours is mounted.
 //! 1. Find this node's loop devices by tag (`fcsi:<hex>:<gen>`) whose generation is fenced
-//!    (`generations[gen].fenced_at` in the volume metadata, read fresh from the state dir),
-//!    or whose volume or generation no longer exists.
+//!    (`generations[gen].fenced_at` in the volume metadata, read fresh from the state dir).
+//!    A volume mounted here whose volume or generation record is missing is left in place
+//!    with a warning (and keeps the node from counting as clean): a missing record says
+//!    nothing about whether the data is in use.
 //! 2. Per volume, under the same in-flight lock the CSI calls take (a kubelet call racing
 //!    with recovery gets ABORTED and is retried by the CO, or recovery skips the volume
 //!    until its next pass): force-unmount every pod publish target, then the staging mount,
@@ -39,6 +44,7 @@ use crate::error::{CsiError, CsiResult};
 use crate::ids::VolumeId;
 use crate::loopdev::{self, LoopError, LoopInfo};
 use crate::mounts;
+use crate::paths::AllowedRoots;
 
 /// Error type of reporters.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -106,24 +112,38 @@ pub struct PassReport {
     pub clean: bool,
     /// The reporter's answer, when it was called (clean passes only).
     pub reported: Option<Result<bool, String>>,
+    /// Why the pass did nothing at all: the state dir failed its check (then `clean` is
+    /// false and Probe answers not ready).
+    pub refused: Option<String>,
 }
 
-/// Why one of our loop devices is to be released.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stale {
-    Fenced,
-    /// The volume or the generation is gone from the metadata.
-    Orphaned,
-}
-
-/// One of our loop devices on a stale generation that belongs to this node.
+/// One of our loop devices on a fenced generation that belongs to this node.
 #[derive(Debug, Clone)]
 struct Held {
     lo: LoopInfo,
     gen: u64,
-    why: Stale,
     /// Its mounts under this node's kubelet dir.
     mounts: Vec<PathBuf>,
+}
+
+/// What a scan of this node's loop devices found.
+#[derive(Debug, Default)]
+struct Scan {
+    /// Devices on fenced generations, to release.
+    fenced: BTreeMap<VolumeId, Vec<Held>>,
+    /// Volumes mounted here whose metadata (volume or generation) is missing: left in
+    /// place. A missing record says nothing about whether the volume is still in use, and
+    /// the usual cause is a state dir that is not the right one.
+    unrecorded: BTreeMap<VolumeId, Vec<PathBuf>>,
+}
+
+/// What one pass did, before it is reported.
+#[derive(Debug, Default)]
+pub struct PassOutcome {
+    pub released: Vec<Released>,
+    pub pending: BTreeMap<String, String>,
+    /// Set when the state dir check refused the pass (see `state_guard`): nothing was done.
+    pub refused: Option<String>,
 }
 
 impl Node {
@@ -143,19 +163,17 @@ impl Node {
     }
 
     fn under_roots(&self, p: &Path) -> bool {
-        self.roots
-            .roots()
-            .iter()
-            .any(|r| p.starts_with(r) && p != r)
+        under_roots(&self.roots, p)
     }
 
-    /// This node's loop devices on fenced (or vanished) generations, by volume.
-    fn find_stale(&self) -> CsiResult<BTreeMap<VolumeId, Vec<Held>>> {
+    /// This node's loop devices: those on fenced generations, and volumes mounted here that
+    /// the metadata does not know.
+    fn scan(&self) -> CsiResult<Scan> {
         let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
         let table =
             mounts::mounts().map_err(|e| CsiError::internal("reading the mount table", e))?;
         let mut metas = BTreeMap::new();
-        let mut out: BTreeMap<VolumeId, Vec<Held>> = BTreeMap::new();
+        let mut out = Scan::default();
         for lo in all {
             // Only this node's devices: other node plugins may share the kernel.
             let Some((id, gen, node)) = parse_tag_full(&lo.tag) else {
@@ -168,19 +186,21 @@ impl Node {
                 let m = self.read_meta(&id)?;
                 metas.insert(id.clone(), m);
             }
-            let (why, fenced_node) = match &metas[&id] {
-                None => (Stale::Orphaned, None),
-                Some(m) => match m.generations.get(&gen) {
-                    None => (Stale::Orphaned, None),
-                    Some(g) if g.fenced_at.is_some() => (Stale::Fenced, g.fenced_node.clone()),
-                    // Only this device was fenced (the generation lives on for
-                    // another node): just as stale.
-                    Some(g) if crate::fence::is_fenced_device(&lo, m.data_bytes(gen)) => {
-                        (Stale::Fenced, g.fenced_node.clone())
-                    }
-                    Some(_) => continue,
-                },
+            let recorded = metas[&id].as_ref().and_then(|m| {
+                m.generations
+                    .get(&gen)
+                    .map(|g| (g, crate::fence::is_fenced_device(&lo, m.data_bytes(gen))))
+            });
+            let fenced = match recorded {
+                None => false,
+                Some((g, _)) if g.fenced_at.is_some() => true,
+                // Only this device was fenced (the generation lives on for another node):
+                // just as stale.
+                Some((_, device_fenced)) => device_fenced,
             };
+            if recorded.is_some() && !fenced {
+                continue;
+            }
             let Ok((major, minor)) = rdev(&lo.device) else {
                 continue; // unbound since the listing
             };
@@ -193,22 +213,21 @@ impl Node {
                 .map(|m| m.mount_point.clone())
                 .filter(|p| self.under_roots(p))
                 .collect();
-            let ours = if !mine.is_empty() {
-                true
-            } else if users.is_empty() {
-                // Nothing mounts it any more (lazily unmounted, or never mounted): the tag
-                // says it is this node's, and a fenced one is released whoever the
-                // record names (a fence of several nodes, or of an unknown holder).
-                let _ = &fenced_node;
-                why == Stale::Fenced
-            } else {
-                false // in use under another node's root
-            };
-            if ours {
-                out.entry(id).or_default().push(Held {
+            if recorded.is_none() {
+                // Unmounted, or mounted only under another root: whose it is cannot be told.
+                if !mine.is_empty() {
+                    out.unrecorded.entry(id).or_default().extend(mine);
+                }
+                continue;
+            }
+            // Nothing mounts it any more (lazily unmounted, or never mounted): the tag says
+            // it is this node's, and a fenced one is released whoever the record names (a
+            // fence of several nodes, or of an unknown holder). Mounted only under another
+            // node's root: not ours.
+            if !mine.is_empty() || users.is_empty() {
+                out.fenced.entry(id).or_default().push(Held {
                     lo,
                     gen,
-                    why,
                     mounts: mine,
                 });
             }
@@ -216,11 +235,16 @@ impl Node {
         Ok(out)
     }
 
+    /// The state dir check that gates every pass.
+    pub(super) fn check_state_dir(&self) -> Result<Option<crate::state_id::StateId>, String> {
+        check_state_dir(&self.guard, &self.node_id, &self.roots)
+    }
+
     /// Releases one volume's stale devices. Holds the volume's in-flight lock throughout.
     fn release_volume(&self, id: &VolumeId) -> CsiResult<Vec<Released>> {
         let _lock = self.inflight.try_lock(id.as_str())?;
         // Re-read under the lock: a racing NodeUnpublish/NodeUnstage may have done it all.
-        let held = self.find_stale()?.remove(id).unwrap_or_default();
+        let held = self.scan()?.fenced.remove(id).unwrap_or_default();
         let mut by_gen: BTreeMap<u64, Vec<Held>> = BTreeMap::new();
         for h in held {
             by_gen.entry(h.gen).or_default().push(h);
@@ -261,7 +285,6 @@ impl Node {
                     remove_dir_if_empty(s);
                 }
             }
-            let why = devices.first().map(|h| h.why);
             let mut detached = Vec::new();
             for h in &devices {
                 loopdev::detach(&h.lo.device).map_err(|e| {
@@ -277,7 +300,7 @@ impl Node {
                     )));
                 }
             }
-            tracing::warn!(volume = %id, generation = gen, reason = ?why, unmounted = ?unmounted, devices = ?detached,
+            tracing::warn!(volume = %id, generation = gen, unmounted = ?unmounted, devices = ?detached,
                 "released a volume fenced away from this node");
             out.push(Released {
                 volume_id: id.to_string(),
@@ -292,30 +315,88 @@ impl Node {
     }
 
     /// One recovery pass (blocking: mount table, ioctls). Never fails as a whole: what
-    /// could not be released is listed in `pending`.
-    pub fn recover_fenced(&self) -> (Vec<Released>, BTreeMap<String, String>) {
-        let mut released = Vec::new();
-        let mut pending = BTreeMap::new();
-        let stale = match self.find_stale() {
+    /// could not be released is listed in `pending`, and a state dir that fails its check
+    /// (`state_guard`) stops the pass before it does anything.
+    pub fn recover_fenced(&self) -> PassOutcome {
+        let mut out = PassOutcome::default();
+        match self.check_state_dir() {
+            Ok(Some(_)) => {}
+            Ok(None) => return out, // no identity yet, nothing held here
+            Err(why) => {
+                out.pending.insert("*".to_string(), why.clone());
+                out.refused = Some(why);
+                return out;
+            }
+        }
+        let scan = match self.scan() {
             Ok(s) => s,
             Err(e) => {
-                pending.insert("*".to_string(), e.to_string());
-                return (released, pending);
+                out.pending.insert("*".to_string(), e.to_string());
+                return out;
             }
         };
-        for id in stale.keys() {
+        for (id, mounts) in &scan.unrecorded {
+            tracing::warn!(volume = %id, mounts = ?mounts, state_dir = %self.cfg.state_dir.display(),
+                "volume mounted here has no metadata in the state dir: left in place (is the state dir the right one? detach it by hand once it is known to be unused)");
+            out.pending.insert(
+                id.to_string(),
+                "mounted here but has no metadata in the state dir: left in place".into(),
+            );
+        }
+        for id in scan.fenced.keys() {
             match self.release_volume(id) {
-                Ok(r) => released.extend(r),
+                Ok(r) => out.released.extend(r),
                 Err(e) => {
                     if !matches!(e, CsiError::Aborted(_)) {
                         tracing::warn!(volume = %id, error = %e, "could not release a fenced volume yet");
                     }
-                    pending.insert(id.to_string(), e.to_string());
+                    out.pending.insert(id.to_string(), e.to_string());
                 }
             }
         }
-        (released, pending)
+        out
     }
+}
+
+/// The state dir check, given what identifies this node's mounts.
+pub(super) fn check_state_dir(
+    guard: &super::state_guard::StateGuard,
+    node_id: &str,
+    roots: &AllowedRoots,
+) -> Result<Option<crate::state_id::StateId>, String> {
+    let held = mounted_here(node_id, roots).map_err(|e| e.to_string())?;
+    guard.check(&held).map_err(|r| r.to_string())
+}
+
+/// Our volumes mounted under this node's kubelet dir, whatever the metadata says: what a
+/// wrong state dir would put at risk.
+fn mounted_here(node_id: &str, roots: &AllowedRoots) -> CsiResult<BTreeSet<VolumeId>> {
+    let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
+    let table = mounts::mounts().map_err(|e| CsiError::internal("reading the mount table", e))?;
+    let me = node_tag(node_id);
+    let mut out = BTreeSet::new();
+    for lo in all {
+        let Some((id, _, node)) = parse_tag_full(&lo.tag) else {
+            continue;
+        };
+        if node != me || out.contains(&id) {
+            continue;
+        }
+        let Ok((major, minor)) = rdev(&lo.device) else {
+            continue;
+        };
+        if table
+            .iter()
+            .any(|m| device_matches(m, major, minor) && under_roots(roots, &m.mount_point))
+        {
+            out.insert(id);
+        }
+    }
+    Ok(out)
+}
+
+fn under_roots(roots: &AllowedRoots, p: &Path) -> bool {
+    roots.roots().iter().any(|r| p.starts_with(r) && p != r)
 }
 
 /// Same rule as `mounts::mounts_of_device`, on an already-read table.
@@ -416,6 +497,7 @@ impl RecoveryHandle {
                     pending: [("*".to_string(), "recovery loop stopped".to_string())].into(),
                     clean: false,
                     reported: None,
+                    refused: None,
                 };
             }
         }
@@ -467,12 +549,16 @@ pub fn spawn(node: Arc<Node>, opts: RecoveryOptions) -> RecoveryHandle {
 async fn run_pass(node: &Arc<Node>, opts: &RecoveryOptions, seq: u64) -> PassReport {
     let started_at = SystemTime::now();
     let n = node.clone();
-    let (released, pending) = match tokio::task::spawn_blocking(move || n.recover_fenced()).await {
+    let PassOutcome {
+        released,
+        pending,
+        refused,
+    } = match tokio::task::spawn_blocking(move || n.recover_fenced()).await {
         Ok(r) => r,
-        Err(e) => (
-            vec![],
-            [("*".to_string(), format!("recovery pass panicked: {e}"))].into(),
-        ),
+        Err(e) => PassOutcome {
+            pending: [("*".to_string(), format!("recovery pass panicked: {e}"))].into(),
+            ..Default::default()
+        },
     };
     let clean = pending.is_empty();
     let reported = if clean {
@@ -501,6 +587,7 @@ async fn run_pass(node: &Arc<Node>, opts: &RecoveryOptions, seq: u64) -> PassRep
         pending,
         clean,
         reported,
+        refused,
     }
 }
 
