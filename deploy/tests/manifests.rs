@@ -23,6 +23,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Once, OnceLock};
 
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, ServiceAccount, Volume};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
@@ -620,8 +623,81 @@ fn parse_typed(doc: &Doc) -> Result<bool, String> {
         ClusterRoleBinding => false,
         Role => true,
         RoleBinding => true,
+        ValidatingAdmissionPolicy => false,
+        ValidatingAdmissionPolicyBinding => false,
     }
     Err("no k8s-openapi type is mapped for this apiVersion/kind (add it to parse_typed)".into())
+}
+
+/// The oldest Kubernetes the manifests are for (deploy/README.md says why).
+const MIN_KUBERNETES: (u32, u32) = (1, 30);
+
+/// The release from which the API server serves each apiVersion/kind used in deploy/base.
+const SERVED_SINCE: &[(&str, &str, (u32, u32))] = &[
+    ("v1", "Namespace", (1, 0)),
+    ("v1", "ServiceAccount", (1, 0)),
+    ("apps/v1", "Deployment", (1, 9)),
+    ("apps/v1", "DaemonSet", (1, 9)),
+    ("rbac.authorization.k8s.io/v1", "ClusterRole", (1, 8)),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", (1, 8)),
+    ("rbac.authorization.k8s.io/v1", "Role", (1, 8)),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", (1, 8)),
+    ("storage.k8s.io/v1", "CSIDriver", (1, 18)),
+    ("storage.k8s.io/v1", "StorageClass", (1, 6)),
+    (
+        "admissionregistration.k8s.io/v1",
+        "ValidatingAdmissionPolicy",
+        (1, 30),
+    ),
+    (
+        "admissionregistration.k8s.io/v1",
+        "ValidatingAdmissionPolicyBinding",
+        (1, 30),
+    ),
+];
+
+#[test]
+fn every_object_is_served_by_the_oldest_supported_kubernetes() {
+    let mut errors = Vec::new();
+    for d in base() {
+        match SERVED_SINCE
+            .iter()
+            .find(|(v, k, _)| *v == d.api_version() && *k == d.kind())
+        {
+            Some((_, _, since)) if *since <= MIN_KUBERNETES => {}
+            Some((_, _, since)) => errors.push(format!(
+                "{}: {} {} needs Kubernetes {}.{}",
+                d.file,
+                d.api_version(),
+                d.kind(),
+                since.0,
+                since.1
+            )),
+            None => errors.push(format!(
+                "{}: {} {}: not in SERVED_SINCE",
+                d.file,
+                d.api_version(),
+                d.kind()
+            )),
+        }
+    }
+    // The preStop `sleep` handler: 1.29 (PodLifecycleSleepAction, on by default from 1.30).
+    for (what, pod) in pods() {
+        for c in &pod.containers {
+            let sleeps = c
+                .lifecycle
+                .as_ref()
+                .and_then(|l| l.pre_stop.as_ref())
+                .is_some_and(|h| h.sleep.is_some());
+            if sleeps && MIN_KUBERNETES < (1, 30) {
+                errors.push(format!(
+                    "{what}/{}: preStop sleep needs Kubernetes 1.30",
+                    c.name
+                ));
+            }
+        }
+    }
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
 #[test]
