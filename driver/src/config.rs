@@ -146,6 +146,11 @@ pub struct Config {
     #[arg(long)]
     pub state_dir_must_be_mount: bool,
 
+    /// Serve Prometheus metrics (`GET /metrics`, OpenMetrics text) on this address, e.g.
+    /// "0.0.0.0:9811"; port 0 picks a free port (logged). Unset: no HTTP server.
+    #[arg(long)]
+    pub http_endpoint: Option<std::net::SocketAddr>,
+
     /// Where the kernel boot ID is read from (the topology value of a new state dir).
     /// Only tests change it, to fake a reboot.
     #[arg(long, default_value = crate::state_id::BOOT_ID_PATH, hide = true)]
@@ -222,6 +227,7 @@ impl Config {
             kubeconfig: None,
             node_state_dir: None,
             state_dir_must_be_mount: false,
+            http_endpoint: None,
             boot_id_file: PathBuf::from(crate::state_id::BOOT_ID_PATH),
         }
     }

@@ -76,11 +76,29 @@ pub struct ServeHooks {
     pub recovery: Option<tokio::sync::oneshot::Sender<crate::node::recover::RecoveryHandle>>,
 }
 
+/// What an embedder learns about the plugin's metrics (see [`serve_with_metrics`]).
+#[derive(Default)]
+pub struct MetricsHooks {
+    /// Receives the address `/metrics` is served on once it is bound (with
+    /// `--http-endpoint` set; useful with port 0).
+    pub http_endpoint: Option<tokio::sync::oneshot::Sender<std::net::SocketAddr>>,
+}
+
 /// [`serve`] with hooks.
 pub async fn serve_with(
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    hooks: ServeHooks,
+) -> Result<(), ServeError> {
+    serve_with_metrics(cfg, shutdown, hooks, MetricsHooks::default()).await
+}
+
+/// [`serve_with`], also telling where the metrics are.
+pub async fn serve_with_metrics(
+    cfg: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
     mut hooks: ServeHooks,
+    metrics_hooks: MetricsHooks,
 ) -> Result<(), ServeError> {
     cfg.validate().map_err(ServeError::Config)?;
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
@@ -98,6 +116,31 @@ pub async fn serve_with(
         Some(Node::open(cfg.clone()).map_err(io("starting node plugin"))?)
     } else {
         None
+    };
+
+    let metrics = Arc::new(crate::metrics::Metrics::new(
+        &cfg.driver_name,
+        controller.as_deref(),
+        node.as_deref(),
+    ));
+    // Bound before the socket, so that a taken port fails the start instead of going
+    // unnoticed; served until the gRPC server has stopped.
+    let http = match cfg.http_endpoint {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(io(&format!("binding --http-endpoint {addr}")))?;
+            let local = l.local_addr().map_err(io("reading the HTTP address"))?;
+            tracing::info!(addr = %local, "serving /metrics");
+            if let Some(tx) = metrics_hooks.http_endpoint {
+                let _ = tx.send(local);
+            }
+            Some(AbortOnDrop(tokio::spawn(crate::http::serve(
+                l,
+                metrics.clone(),
+            ))))
+        }
+        None => None,
     };
 
     let listener = bind(&socket)?;
@@ -136,6 +179,7 @@ pub async fn serve_with(
         _ => None,
     };
     let router = tonic::transport::Server::builder()
+        .layer(crate::metrics::RpcMetricsLayer::new(metrics))
         .add_service(IdentityServer::new(IdentityService::new(
             &cfg,
             node.as_ref().map(|n| n.guard.clone()),
@@ -156,9 +200,29 @@ pub async fn serve_with(
     if let Some(r) = recovery {
         r.abort();
     }
+    if let Some(h) = http {
+        h.stop().await;
+    }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped; socket removed, volumes left mounted");
     Ok(result?)
+}
+
+/// A task that ends with its owner (also on an early return with an error).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl AbortOnDrop {
+    /// Ends the task and waits until it is gone (its listener closed).
+    async fn stop(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 fn spawn_gc(

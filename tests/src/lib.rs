@@ -258,6 +258,42 @@ impl InProcess {
         )
     }
 
+    /// [`InProcess::start`] with `cfg.http_endpoint` served; returns where `/metrics` is
+    /// (the bound port when `cfg` asked for port 0).
+    pub async fn start_with_metrics(cfg: Config) -> (Self, CsiClient, std::net::SocketAddr) {
+        assert!(cfg.http_endpoint.is_some(), "set cfg.http_endpoint");
+        let socket = cfg.socket_path().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            if let Err(e) = fencecsi_driver::server::serve_with_metrics(
+                cfg,
+                async {
+                    let _ = rx.await;
+                },
+                Default::default(),
+                fencecsi_driver::server::MetricsHooks {
+                    http_endpoint: Some(addr_tx),
+                },
+            )
+            .await
+            {
+                panic!("in-process plugin failed: {e}");
+            }
+        });
+        let addr = addr_rx.await.expect("the plugin binds its HTTP endpoint");
+        let client = wait_for_socket(&socket).await;
+        (
+            InProcess {
+                socket,
+                stop: Some(tx),
+                task: Some(task),
+            },
+            client,
+            addr,
+        )
+    }
+
     pub async fn stop(mut self) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
@@ -377,6 +413,9 @@ impl Process {
         }
         if cfg.state_dir_must_be_mount {
             cmd.arg("--state-dir-must-be-mount");
+        }
+        if let Some(a) = cfg.http_endpoint {
+            cmd.arg("--http-endpoint").arg(a.to_string());
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -284,7 +284,8 @@ impl Controller {
             let bytes = v.data_bytes(*gen);
             let report = if others.is_empty() {
                 fully.push(*gen);
-                self.backend.freeze(&id, *gen, bytes)?
+                self.fence_metrics
+                    .time(|| self.backend.freeze(&id, *gen, bytes))?
             } else {
                 // Another node writes this generation by right: fence only
                 // the targets' devices (and strays), not the generation.
@@ -292,7 +293,8 @@ impl Controller {
                     let tag = tag_node(&l.tag, &id, *gen);
                     !l.read_only && !others.iter().any(|o| Some(o.as_str()) == tag)
                 };
-                self.backend.fence_devices(&id, *gen, bytes, &pick)?
+                self.fence_metrics
+                    .time(|| self.backend.fence_devices(&id, *gen, bytes, &pick))?
             };
             match why {
                 Some(why) => {
@@ -375,7 +377,8 @@ impl Controller {
             "fenced before publishing to {publishing}: held by {devices} with no attachment"
         );
         if entitled.is_empty() {
-            self.backend.freeze(id, gen, bytes)?;
+            self.fence_metrics
+                .time(|| self.backend.freeze(id, gen, bytes))?;
             if let Some(g) = v.generations.get_mut(&gen) {
                 g.fenced_at = Some(now_nanos());
                 g.fenced_node = Some("unknown".into());
@@ -387,7 +390,8 @@ impl Controller {
                 let tag = tag_node(&l.tag, id, gen);
                 !l.read_only && !entitled.iter().any(|e| Some(e.as_str()) == tag)
             };
-            self.backend.fence_devices(id, gen, bytes, &pick)?;
+            self.fence_metrics
+                .time(|| self.backend.fence_devices(id, gen, bytes, &pick))?;
         }
         tracing::warn!(volume = %id, generation = gen, "write fence made: {why}");
         Ok(())

@@ -58,6 +58,8 @@ pub struct Controller {
     /// says why the fence is not offered (UNPUBLISH_FENCE not advertised,
     /// fence requests answered FAILED_PRECONDITION).
     pub(crate) fence: Result<crate::fence::ProbeReport, String>,
+    /// Time to make each fence (the probe's not counted), served as `fence_seconds`.
+    pub(crate) fence_metrics: crate::metrics::FenceMetrics,
 }
 
 /// An exclusive `flock` on `<state>/controller.lock`. The controller keeps
@@ -126,6 +128,7 @@ impl Controller {
             inflight: InFlight::new(),
             state_id,
             fence,
+            fence_metrics: Default::default(),
         }))
     }
 
