@@ -43,6 +43,10 @@ pub struct Options {
     pub write_interval_ms: u64,
     /// Node lifecycle: lease age after which a node turns Ready=Unknown (Kubernetes: 40 s).
     pub node_monitor_grace: Duration,
+    /// How often the kubelets renew their node Lease (Kubernetes: 10 s).
+    pub lease_renew_interval: Duration,
+    /// podgc's node lease grace (`--node-lease-grace`, default 15 s).
+    pub podgc_lease_grace: Duration,
     /// tolerationSeconds of the writer pods for not-ready/unreachable (Kubernetes' default
     /// toleration: 300 s).
     pub toleration_seconds: i64,
@@ -70,6 +74,8 @@ impl Options {
             min_records: 20,
             write_interval_ms: 10,
             node_monitor_grace: Duration::from_secs(2),
+            lease_renew_interval: Duration::from_millis(250),
+            podgc_lease_grace: Duration::from_secs(2),
             // Kubernetes' default: podgc's out-of-service taint evicts the pods
             // at once anyway, which is what the drill shows.
             toleration_seconds: 300,
@@ -78,6 +84,22 @@ impl Options {
             adc_sync_period: Duration::from_secs(60),
             progress: Progress::stderr(),
         }
+    }
+
+    /// Kubernetes' and fencecsi's production timing: kubelets renew their Lease every
+    /// 10 s, the node lifecycle controller waits 40 s, pods tolerate NotReady for 300 s,
+    /// the attach-detach controller verifies every 60 s, and podgc runs with its defaults
+    /// (15 s lease grace, 30 s shutdown grace). What a user's cluster does.
+    pub fn production(mut self) -> Self {
+        let podgc = fencecsi_podgc::PodGcConfig::default();
+        self.lease_renew_interval = Duration::from_secs(10);
+        self.node_monitor_grace = Duration::from_secs(40);
+        self.toleration_seconds = 300;
+        self.adc_sync_period = Duration::from_secs(60);
+        self.podgc_lease_grace = podgc.node_lease_grace.unwrap_or(Duration::from_secs(15));
+        self.podgc_shutdown_grace = podgc.shutdown_grace;
+        self.step_timeout = self.step_timeout.max(Duration::from_secs(150));
+        self
     }
 }
 

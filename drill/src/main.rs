@@ -37,6 +37,12 @@ struct Cli {
     /// Also run a pod whose PV's driver has no safe-detach annotation (it must stay).
     #[arg(long)]
     unsafe_pod: bool,
+    /// Production timing instead of the short one: kubelet lease renewal 10 s, node
+    /// monitor grace 40 s, NotReady toleration 300 s, attach-detach verification 60 s,
+    /// podgc's defaults (lease grace 15 s, shutdown grace 30 s). Overrides
+    /// --monitor-grace and --podgc-grace. A run takes about two minutes.
+    #[arg(long)]
+    production: bool,
 }
 
 /// A duration in seconds that the drill can wait for.
@@ -68,6 +74,9 @@ fn main() {
     opts.node_monitor_grace = Duration::from_secs_f64(cli.monitor_grace);
     opts.podgc_shutdown_grace = Duration::from_secs_f64(cli.podgc_grace);
     opts.unsafe_pod = cli.unsafe_pod;
+    if cli.production {
+        opts = opts.production();
+    }
     opts.progress = if cli.json {
         Progress::stderr()
     } else {

@@ -103,6 +103,9 @@ pub struct Report {
     pub timeline: Vec<TimelineEntry>,
     /// NotReady → the last volume published on B.
     pub failover_s: Option<f64>,
+    /// Node A's shutdown (its kubelet and heartbeat stop) → the last volume published on
+    /// B: what a user waits.
+    pub power_off_to_published_s: Option<f64>,
     pub records_lost: u64,
     pub bytes_after_fence: u64,
     pub quarantine_lifted: bool,
@@ -167,6 +170,11 @@ impl Report {
                 "  failover (NotReady → volume published on B): {f:.3} s"
             )),
             None => p.raw("  failover: did not complete"),
+        }
+        if let Some(f) = self.power_off_to_published_s {
+            p.raw(format!(
+                "  node A shut down → volume published on B: {f:.3} s"
+            ));
         }
         for v in &self.per_volume {
             p.raw(format!(

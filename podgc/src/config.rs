@@ -10,10 +10,16 @@ pub struct PodGcConfig {
     /// How long a node's Ready condition must have been False/Unknown (from its
     /// lastTransitionTime) before podgc acts on it.
     pub shutdown_grace: Duration,
-    /// Where no node lifecycle controller runs: a node whose Lease in kube-node-lease was
-    /// not renewed for this long counts as NotReady from then on (the shutdown grace then
-    /// runs on top, as it would after the lifecycle controller's Ready=Unknown). Measured on
-    /// podgc's own clock, from when it saw the lease change. `None`: leases are ignored.
+    /// A node whose Lease in kube-node-lease was not renewed for this long is down, and
+    /// podgc acts on it then (no shutdown grace on top). Measured on podgc's own clock,
+    /// from when it saw the last renewal. `None`: leases are ignored, and only the Ready
+    /// condition counts (NotReady comes after the node lifecycle controller's own grace,
+    /// 40-50 s).
+    ///
+    /// Default 15 s: the kubelet renews every 10 s, so a live node is never more than one
+    /// renewal plus its latency behind, and a dead one is seen 5-15 s after it stopped.
+    /// Acting on a node that is only slow is safe: the fence stops its writes, and the
+    /// cost is a pod restart.
     pub node_lease_grace: Option<Duration>,
     /// Disruption mode: while more than this fraction of all nodes is NotReady, podgc
     /// does nothing.
@@ -35,7 +41,7 @@ impl Default for PodGcConfig {
     fn default() -> Self {
         PodGcConfig {
             shutdown_grace: Duration::from_secs(30),
-            node_lease_grace: Some(Duration::from_secs(40)),
+            node_lease_grace: Some(Duration::from_secs(15)),
             max_unhealthy_fraction: 0.55,
             out_of_service_taint: false,
             resync_interval: Duration::from_secs(5),

@@ -38,9 +38,10 @@ struct RunArgs {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     shutdown_grace: Duration,
 
-    /// Also count a node NotReady once its Lease in kube-node-lease has not been renewed
-    /// for this long (for clusters without a node lifecycle controller). 0 disables.
-    #[arg(long, default_value = "40s", value_parser = parse_duration)]
+    /// Act on a node once its Lease in kube-node-lease has not been renewed for this long,
+    /// without waiting for NotReady (the kubelet renews every 10 s; the fence makes acting
+    /// on a node that is only slow cost a pod restart, not data). 0 disables.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
     node_lease_grace: Duration,
 
     /// Disruption mode: do nothing while more than this fraction of nodes is NotReady.

@@ -1224,3 +1224,78 @@ async fn an_eviction_on_a_down_node_is_acted_on_when_it_is_watched() {
     .await;
     h.shutdown().await.unwrap();
 }
+
+/// A dead node is seen from its Lease, without waiting for NotReady and the shutdown grace
+/// on top: here no node lifecycle controller runs and the shutdown grace is an hour, so
+/// only the lease can trigger podgc. Control: while the kubelet renews, passes go by and
+/// nothing happens.
+#[tokio::test]
+async fn a_node_whose_lease_stops_is_acted_on_after_the_lease_grace_alone() {
+    let c = cluster(&[]).await;
+    let hb_cfg = sim::HeartbeatConfig {
+        interval: Duration::from_millis(200),
+        lease_duration_seconds: 1,
+        finish_terminating_pods: false,
+    };
+    let hbs: Vec<_> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|n| sim::KubeletHeartbeat::new(&c, n, hb_cfg.clone()).spawn())
+        .collect();
+    let nodes = c.api::<Node>(None);
+    wait_for("nodes registered", || async {
+        nodes
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len()
+            == 3
+    })
+    .await;
+    let (_, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
+    terminate(&c, "db-0").await;
+    let h = PodGc::new(
+        c.clone(),
+        PodGcConfig {
+            shutdown_grace: Duration::from_secs(3600),
+            node_lease_grace: Some(Duration::from_secs(1)),
+            ..cfg()
+        },
+    )
+    .spawn();
+    // Control: renewing leases, several passes spanning more than the lease grace.
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_millis(1500) {
+        let s = h.next_pass().await;
+        assert_eq!(s.unhealthy, 0, "{s:?}");
+    }
+    let pods = c.api::<Pod>(Some(NS));
+    assert!(pods.get_opt("db-0").await.unwrap().is_some());
+
+    hbs[0].stop();
+    wait_for("db-0 force-deleted", || async {
+        pods.get_opt("db-0").await.unwrap().is_none()
+    })
+    .await;
+    let vas = c.api::<VolumeAttachment>(None);
+    wait_for("attachment deleted", || async {
+        vas.get_opt(va.as_ref().unwrap()).await.unwrap().is_none()
+    })
+    .await;
+    let n1 = nodes.get("n1").await.unwrap();
+    assert!(has_taint(&n1, QUARANTINE_TAINT_KEY));
+    assert!(
+        n1.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
+        "no lifecycle controller: the node never turned NotReady"
+    );
+    let ev = events(&c, "TerminatingPodsForceDeleted").await;
+    let note = ev[0].note.clone().unwrap_or_default();
+    assert!(note.contains("has not renewed its Lease"), "{note}");
+    h.shutdown().await.unwrap();
+    for hb in hbs {
+        hb.shutdown().await;
+    }
+}

@@ -88,6 +88,10 @@ pub(super) fn report(
         (Some(a), Some(b)) => Some(b - a),
         _ => None,
     };
+    let power_off_to_published_s = match (get(Step::NodeDown), get(Step::PublishedOnB)) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
     let comparison = match (
         get(Step::NodeDown),
         get(Step::Quarantined),
@@ -116,6 +120,7 @@ pub(super) fn report(
         fs: opts.fs.clone(),
         timeline: sorted,
         failover_s,
+        power_off_to_published_s,
         records_lost,
         bytes_after_fence,
         quarantine_lifted: o.steps.contains_key(&Step::QuarantineLifted),

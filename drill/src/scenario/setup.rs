@@ -103,8 +103,8 @@ pub(super) async fn start(
         sc.name, opts.fs
     ));
     let hb_cfg = sim::HeartbeatConfig {
-        interval: Duration::from_millis(250),
-        lease_duration_seconds: 1,
+        interval: opts.lease_renew_interval,
+        lease_duration_seconds: (opts.lease_renew_interval.as_secs() as i32 * 4).max(1),
         finish_terminating_pods: false, // the mini kubelets finish their pods
     };
     let hbs: Vec<_> = names
@@ -183,7 +183,7 @@ pub(super) async fn start(
         cluster.clone(),
         PodGcConfig {
             shutdown_grace: opts.podgc_shutdown_grace,
-            node_lease_grace: Some(opts.node_monitor_grace),
+            node_lease_grace: Some(opts.podgc_lease_grace),
             out_of_service_taint: true,
             resync_interval: Duration::from_millis(250),
             debounce: Duration::from_millis(20),

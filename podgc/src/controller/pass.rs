@@ -28,27 +28,60 @@ pub struct PassSummary {
     pub quarantined: usize,
 }
 
+/// A node podgc counts as down.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Down {
+    /// Since when it counts as down (for disruption mode).
+    since: Timestamp,
+    /// When podgc may act on it.
+    pub(super) act_at: Timestamp,
+    why: DownBy,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum DownBy {
+    NotReady,
+    /// The Lease, last seen renewed then.
+    Lease(Timestamp),
+}
+
 impl Runner {
-    /// When the node counts as NotReady, if it does: the start of its grace. That is
-    /// never before disruption mode last ended.
-    fn not_ready_since(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Timestamp> {
+    /// Whether the node is down and when podgc may act on it. Two signals, the earlier
+    /// wins:
+    /// - its Ready condition False/Unknown: act `shutdown_grace` after the transition
+    ///   (the node lifecycle controller has already waited its own grace for Unknown; a
+    ///   kubelet reporting False is alive, so the grace is long);
+    /// - its Lease unrenewed for `node_lease_grace` (podgc's clock, from when it saw the
+    ///   last renewal): act then. The kubelet renews every 10 s, so a dead node is seen
+    ///   within seconds of the grace, long before NotReady.
+    ///
+    /// Neither clock starts before disruption mode last ended.
+    fn down(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Down> {
+        let floor = |t: Timestamp| match self.disruption_ended {
+            Some(ended) if ended > t => ended,
+            _ => t,
+        };
         let by_condition = match info.ready {
-            Readiness::NotReady(t) => Some(t),
+            Readiness::NotReady(t) => Some(Down {
+                since: floor(t),
+                act_at: floor(t) + sd(self.cfg.shutdown_grace),
+                why: DownBy::NotReady,
+            }),
             _ => None,
         };
         let by_lease = self.cfg.node_lease_grace.and_then(|g| {
             let l = self.caches.leases.get(name)?;
-            let stale_at = l.observed + sd(g);
-            (stale_at <= now).then_some(stale_at)
+            let stale_at = floor(l.observed) + sd(g);
+            (stale_at <= now).then_some(Down {
+                since: stale_at,
+                act_at: stale_at,
+                why: DownBy::Lease(floor(l.observed)),
+            })
         });
-        let since = match (by_condition, by_lease) {
-            (Some(a), Some(b)) => Some(a.min(b)),
+        match (by_condition, by_lease) {
+            (Some(a), Some(b)) => Some(if b.act_at < a.act_at { b } else { a }),
             (a, b) => a.or(b),
-        }?;
-        Some(match self.disruption_ended {
-            Some(ended) if ended > since => ended,
-            _ => since,
-        })
+        }
     }
 
     pub(super) async fn pass(&mut self) -> PassSummary {
@@ -60,11 +93,11 @@ impl Runner {
             nodes: self.caches.nodes.len(),
             ..Default::default()
         };
-        let unhealthy: Vec<(String, Timestamp)> = self
+        let unhealthy: Vec<(String, Down)> = self
             .caches
             .nodes
             .iter()
-            .filter_map(|(n, i)| self.not_ready_since(n, i, now).map(|t| (n.clone(), t)))
+            .filter_map(|(n, i)| self.down(n, i, now).map(|d| (n.clone(), d)))
             .collect();
         s.unhealthy = unhealthy.len();
         self.metrics.unhealthy_nodes.set(unhealthy.len() as i64);
@@ -116,14 +149,14 @@ impl Runner {
             .await;
             self.in_disruption = false;
         }
-        // Nodes still NotReady start their grace now (see `not_ready_since`).
-        let unhealthy: Vec<(String, Timestamp)> = match self.disruption_ended {
-            Some(ended) => unhealthy
-                .into_iter()
-                .map(|(n, t)| (n, t.max(ended)))
-                .collect(),
-            None => unhealthy,
-        };
+        // Nodes still down start their grace now (see `down`).
+        let unhealthy: Vec<(String, Down)> = unhealthy
+            .into_iter()
+            .filter_map(|(n, _)| {
+                let info = self.caches.nodes.get(&n)?;
+                Some((n.clone(), self.down(&n, info, now)?))
+            })
+            .collect();
 
         // Quarantined nodes: re-stamp after the fences, lift when clean.
         let quarantined: Vec<String> = self
@@ -147,7 +180,6 @@ impl Runner {
             }
         }
 
-        let grace = sd(self.cfg.shutdown_grace);
         let mut healthy_warned: Vec<String> = Vec::new();
         for n in self.warned.keys() {
             if !unhealthy_set.contains(n.as_str()) {
@@ -159,11 +191,11 @@ impl Runner {
         }
         self.oos_withheld
             .retain(|n| unhealthy_set.contains(n.as_str()));
-        for (name, since) in unhealthy {
-            if now.duration_since(since) < grace {
+        for (name, down) in unhealthy {
+            if now < down.act_at {
                 continue;
             }
-            if let Err(e) = self.handle_node(&name, since, &mut s).await {
+            if let Err(e) = self.handle_node(&name, &down, &mut s).await {
                 tracing::warn!(node = %name, error = %e, "acting on a shut-down node failed; retried next pass");
             }
         }
@@ -181,7 +213,7 @@ impl Runner {
     async fn handle_node(
         &mut self,
         node: &str,
-        since: Timestamp,
+        down: &Down,
         s: &mut PassSummary,
     ) -> anyhow::Result<()> {
         let pods = self
@@ -190,10 +222,17 @@ impl Runner {
             .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
             .await?
             .items;
-        let why = format!(
-            "node {node} has been NotReady since {since} (longer than the shutdown grace of {}s)",
-            self.cfg.shutdown_grace.as_secs()
-        );
+        let why = match down.why {
+            DownBy::NotReady => format!(
+                "node {node} has been NotReady since {} (longer than the shutdown grace of {}s)",
+                down.since,
+                self.cfg.shutdown_grace.as_secs()
+            ),
+            DownBy::Lease(renewed) => format!(
+                "node {node} has not renewed its Lease since {renewed} (longer than the node lease grace of {}s)",
+                self.cfg.node_lease_grace.unwrap_or_default().as_secs()
+            ),
+        };
         let NodePods {
             mut selected,
             mut keep_pvs,

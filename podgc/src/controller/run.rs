@@ -246,10 +246,9 @@ impl PodGc {
 }
 
 impl Runner {
-    /// Time until the next moment a node crosses a grace period, capped by the resync.
+    /// Time until the next moment podgc may act on a node, capped by the resync.
     fn until_next_deadline(&self) -> Duration {
         let now = now();
-        let grace = sd(self.cfg.shutdown_grace);
         let mut next = self.cfg.resync_interval;
         let mut consider = |t: Timestamp| {
             if t > now {
@@ -257,16 +256,13 @@ impl Runner {
                 next = next.min(d + Duration::from_millis(5));
             }
         };
-        if let Some(ended) = self.disruption_ended {
-            consider(ended + grace);
-        }
+        let floor = |t: Timestamp| self.disruption_ended.map_or(t, |e| e.max(t));
         for (name, info) in &self.caches.nodes {
             if let Readiness::NotReady(t) = info.ready {
-                consider(t + grace);
+                consider(floor(t) + sd(self.cfg.shutdown_grace));
             }
             if let (Some(g), Some(l)) = (self.cfg.node_lease_grace, self.caches.leases.get(name)) {
-                consider(l.observed + sd(g));
-                consider(l.observed + sd(g) + grace);
+                consider(floor(l.observed) + sd(g));
             }
         }
         next
