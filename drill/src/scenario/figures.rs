@@ -100,7 +100,11 @@ pub(super) fn report(
         (Some(down), Some(q), Some(pb)) => {
             let k8s = 40.0 + 300.0 + 360.0;
             let mech = pb - q;
-            let proj = 40.0 + 30.0 + mech;
+            let lease_grace = fencecsi_podgc::PodGcConfig::default()
+                .node_lease_grace
+                .unwrap_or_default()
+                .as_secs_f64();
+            let proj = lease_grace + mech;
             Some(Comparison {
                 kubernetes_deployment_s: k8s,
                 kubernetes_statefulset: "never, without a human (pods stay Terminating)",
