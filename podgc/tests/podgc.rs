@@ -804,17 +804,14 @@ async fn an_out_of_service_taint_podgc_did_not_add_stays() {
     h.shutdown().await.unwrap();
 }
 
-/// The whole control-plane loop on simulated kubelets: heartbeat stops, lifecycle marks the
-/// node Unknown and taints it, taint eviction makes the pods Terminating, podgc (leader
-/// elected, leases watched) force-deletes and detaches, the node returns, reports clean,
-/// the quarantine goes.
-#[tokio::test]
-async fn simulated_node_shutdown_and_return() {
+/// A cluster with three nodes n1..n3 whose simulated kubelets renew their Leases every
+/// 200 ms; `finish_terminating_pods` as a live kubelet does.
+async fn three_kubelets(finish_terminating_pods: bool) -> (Cluster, Vec<sim::HeartbeatHandle>) {
     let c = cluster(&[]).await;
     let hb_cfg = sim::HeartbeatConfig {
         interval: Duration::from_millis(200),
         lease_duration_seconds: 1,
-        finish_terminating_pods: true,
+        finish_terminating_pods,
     };
     let hbs: Vec<_> = ["n1", "n2", "n3"]
         .iter()
@@ -831,6 +828,17 @@ async fn simulated_node_shutdown_and_return() {
             == 3
     })
     .await;
+    (c, hbs)
+}
+
+/// The whole control-plane loop on simulated kubelets: heartbeat stops, lifecycle marks the
+/// node Unknown and taints it, taint eviction makes the pods Terminating, podgc (leader
+/// elected, leases watched) force-deletes and detaches, the node returns, reports clean,
+/// the quarantine goes.
+#[tokio::test]
+async fn simulated_node_shutdown_and_return() {
+    let (c, hbs) = three_kubelets(true).await;
+    let nodes = c.api::<Node>(None);
     let (_, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
     let lc = sim::NodeLifecycle::new(
         &c,
@@ -1231,27 +1239,8 @@ async fn an_eviction_on_a_down_node_is_acted_on_when_it_is_watched() {
 /// nothing happens.
 #[tokio::test]
 async fn a_node_whose_lease_stops_is_acted_on_after_the_lease_grace_alone() {
-    let c = cluster(&[]).await;
-    let hb_cfg = sim::HeartbeatConfig {
-        interval: Duration::from_millis(200),
-        lease_duration_seconds: 1,
-        finish_terminating_pods: false,
-    };
-    let hbs: Vec<_> = ["n1", "n2", "n3"]
-        .iter()
-        .map(|n| sim::KubeletHeartbeat::new(&c, n, hb_cfg.clone()).spawn())
-        .collect();
+    let (c, hbs) = three_kubelets(false).await;
     let nodes = c.api::<Node>(None);
-    wait_for("nodes registered", || async {
-        nodes
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .len()
-            == 3
-    })
-    .await;
     let (_, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
     terminate(&c, "db-0").await;
     let h = PodGc::new(

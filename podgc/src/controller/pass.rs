@@ -134,7 +134,7 @@ impl Runner {
         }
         if self.in_disruption {
             let msg = format!(
-                "{} of {} nodes are NotReady: podgc acts again, and the shutdown grace of every node still NotReady starts now",
+                "{} of {} nodes are down: podgc acts again, and the grace of every node still down starts now",
                 unhealthy.len(),
                 s.nodes
             );
