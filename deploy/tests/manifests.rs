@@ -91,7 +91,8 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["list", "watch"]),
     // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
     ("node", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
-    // external-provisioner v5 (--feature-gates=Topology=true, --leader-election)
+    // external-provisioner v5 (--feature-gates=Topology=true, --leader-election,
+    // --enable-capacity --capacity-ownerref-level=2)
     ("provisioner", Cluster, "", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),
     ("provisioner", Cluster, "", "persistentvolumeclaims", &["get", "list", "watch", "update"]),
     ("provisioner", Cluster, "storage.k8s.io", "storageclasses", &["get", "list", "watch"]),
@@ -102,6 +103,9 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("provisioner", Cluster, "snapshot.storage.k8s.io", "volumesnapshotcontents", &["get", "list"]),
     ("provisioner", Cluster, "", "events", &["create", "update", "patch"]),
     ("provisioner", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
+    ("provisioner", Ns(NS), "storage.k8s.io", "csistoragecapacities", &["list", "watch", "create", "update", "delete"]),
+    ("provisioner", Ns(NS), "", "pods", &["get"]),
+    ("provisioner", Ns(NS), "apps", "replicasets", &["get"]),
     // external-resizer v1 (--leader-election)
     ("resizer", Cluster, "", "persistentvolumes", &["get", "list", "watch", "patch"]),
     ("resizer", Cluster, "", "persistentvolumeclaims", &["get", "list", "watch"]),
@@ -1360,7 +1364,7 @@ fn only_the_node_plugin_gets_an_api_token_in_the_node_pod() {
 /// may use). The manifests may use only these.
 #[rustfmt::skip]
 const SIDECARS: &[(&str, &[&str])] = &[
-    ("registry.k8s.io/sig-storage/csi-provisioner", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "extra-create-metadata", "default-fstype", "worker-threads", "http-endpoint", "strict-topology", "immediate-topology", "retry-interval-start", "retry-interval-max"]),
+    ("registry.k8s.io/sig-storage/csi-provisioner", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "extra-create-metadata", "default-fstype", "worker-threads", "http-endpoint", "strict-topology", "immediate-topology", "retry-interval-start", "retry-interval-max", "enable-capacity", "capacity-ownerref-level"]),
     ("registry.k8s.io/sig-storage/csi-resizer", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "workers", "http-endpoint", "handle-volume-inuse-error", "retry-interval-start", "retry-interval-max"]),
     ("registry.k8s.io/sig-storage/csi-snapshotter", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "worker-threads", "http-endpoint", "extra-create-metadata", "retry-interval-start", "retry-interval-max"]),
     ("registry.k8s.io/sig-storage/livenessprobe", &["csi-address", "http-endpoint", "probe-timeout", "metrics-path", "v"]),

@@ -53,6 +53,96 @@ impl Extensions {
 
 pub use fencecsi_cluster::cli::{parse_duration, LogFormat};
 
+/// `--overcommit-ratio`: a finite number, at least 1.
+pub fn parse_overcommit_ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number (the over-commit ratio: 1, 1.5, 2, ...)"))?;
+    check_overcommit_ratio(r)?;
+    Ok(r)
+}
+
+fn check_overcommit_ratio(r: f64) -> Result<(), String> {
+    if !r.is_finite() || r < 1.0 {
+        return Err(format!(
+            "the over-commit ratio must be a number of at least 1 (1 = no over-commit), not {r}"
+        ));
+    }
+    if r > 1000.0 {
+        return Err(format!(
+            "an over-commit ratio of {r} promises practically unlimited space: at most 1000"
+        ));
+    }
+    Ok(())
+}
+
+/// `--capacity-reserve`: space of the state dir's filesystem kept out of the capacity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CapacityReserve {
+    /// A share of the filesystem's size, in percent (0 to below 100).
+    Percent(f64),
+    /// A fixed number of bytes.
+    Bytes(u64),
+}
+
+impl CapacityReserve {
+    /// The reserve on a filesystem of `total` bytes (never more than `total`).
+    pub fn bytes_of(self, total: u64) -> u64 {
+        match self {
+            CapacityReserve::Percent(p) => ((total as f64) * p / 100.0).ceil() as u64,
+            CapacityReserve::Bytes(b) => b,
+        }
+        .min(total)
+    }
+
+    fn check(self) -> Result<(), String> {
+        match self {
+            CapacityReserve::Percent(p) if !p.is_finite() || !(0.0..100.0).contains(&p) => Err(
+                format!("a capacity reserve of {p}% is out of range (0% to below 100%)"),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Display for CapacityReserve {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CapacityReserve::Percent(p) => write!(f, "{p}%"),
+            CapacityReserve::Bytes(b) => write!(f, "{b}"),
+        }
+    }
+}
+
+/// Parses `--capacity-reserve`: "5%", "0", "2GiB", "512Mi", "10G", "1048576".
+/// Size suffixes are powers of 1024 (K, M, G, T, with or without "i" and "B").
+pub fn parse_reserve(s: &str) -> Result<CapacityReserve, String> {
+    let t = s.trim();
+    let bad =
+        || format!("{s:?} is not a capacity reserve (a share like \"5%\" or a size like \"2GiB\")");
+    if let Some(p) = t.strip_suffix('%') {
+        let p: f64 = p.trim().parse().map_err(|_| bad())?;
+        let r = CapacityReserve::Percent(p);
+        r.check()?;
+        return Ok(r);
+    }
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().trim_end_matches('B').trim_end_matches('i') {
+        "" => 0,
+        "K" | "k" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift)
+        .map(CapacityReserve::Bytes)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
 /// fencecsi CSI plugin: volumes are sparse image files under --state-dir,
 /// attached on nodes as real loop devices, with a write fence on detach.
 #[derive(Debug, Clone, Parser)]
@@ -151,6 +241,20 @@ pub struct Config {
     #[arg(long)]
     pub http_endpoint: Option<std::net::SocketAddr>,
 
+    /// Capacity: how many times the backend's usable space (its filesystem's size less
+    /// --capacity-reserve) the provisioned volumes may add up to. Images are sparse, so a
+    /// ratio above 1 promises space that is not there: once the volumes are written, the
+    /// filesystem fills up and writes inside pods fail. 1 (the default) promises only what
+    /// every image can get when written in full. A number, at least 1.
+    #[arg(long, default_value = "1", value_parser = parse_overcommit_ratio)]
+    pub overcommit_ratio: f64,
+
+    /// Capacity: space of the state dir's filesystem never promised to volumes (metadata,
+    /// the fence probe, fence markers, whatever else lives there): a share of the
+    /// filesystem's size ("5%") or a size ("2GiB", "512MiB", "10G", plain bytes).
+    #[arg(long, default_value = "5%", value_parser = parse_reserve)]
+    pub capacity_reserve: CapacityReserve,
+
     /// Where the kernel boot ID is read from (the topology value of a new state dir).
     /// Only tests change it, to fake a reboot.
     #[arg(long, default_value = crate::state_id::BOOT_ID_PATH, hide = true)]
@@ -174,6 +278,11 @@ impl Config {
         if self.driver_name.is_empty() || self.driver_name.len() > 63 {
             return Err("--driver-name must be 1-63 characters".into());
         }
+        check_overcommit_ratio(self.overcommit_ratio)
+            .map_err(|e| format!("--overcommit-ratio: {e}"))?;
+        self.capacity_reserve
+            .check()
+            .map_err(|e| format!("--capacity-reserve: {e}"))?;
         Ok(())
     }
 
@@ -228,7 +337,68 @@ impl Config {
             node_state_dir: None,
             state_dir_must_be_mount: false,
             http_endpoint: None,
+            overcommit_ratio: 1.0,
+            capacity_reserve: CapacityReserve::Percent(5.0),
             boot_id_file: PathBuf::from(crate::state_id::BOOT_ID_PATH),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overcommit_ratio_is_a_number_of_at_least_one() {
+        assert_eq!(parse_overcommit_ratio("1").unwrap(), 1.0);
+        assert_eq!(parse_overcommit_ratio(" 2.5 ").unwrap(), 2.5);
+        for bad in ["0.5", "0", "-1", "NaN", "inf", "two", "", "1e9"] {
+            let e = parse_overcommit_ratio(bad).expect_err(bad);
+            assert!(
+                e.contains("ratio") || e.contains("at most"),
+                "{bad}: unclear error {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn capacity_reserve_is_a_share_or_a_size() {
+        use CapacityReserve::*;
+        assert_eq!(parse_reserve("5%").unwrap(), Percent(5.0));
+        assert_eq!(parse_reserve("0.5 %").unwrap(), Percent(0.5));
+        assert_eq!(parse_reserve("0").unwrap(), Bytes(0));
+        assert_eq!(parse_reserve("1048576").unwrap(), Bytes(1 << 20));
+        assert_eq!(parse_reserve("2GiB").unwrap(), Bytes(2 << 30));
+        assert_eq!(parse_reserve("512Mi").unwrap(), Bytes(512 << 20));
+        assert_eq!(parse_reserve("10G").unwrap(), Bytes(10 << 30));
+        assert_eq!(parse_reserve("3KB").unwrap(), Bytes(3 << 10));
+        for bad in ["100%", "-1%", "abc", "1.5G", "5X", "", "99999999999T"] {
+            assert!(parse_reserve(bad).is_err(), "{bad} accepted");
+        }
+        assert_eq!(Percent(5.0).bytes_of(1000), 50);
+        assert_eq!(Bytes(2000).bytes_of(1000), 1000);
+    }
+
+    #[test]
+    fn the_flags_parse_and_validate() {
+        let base = ["fencecsi-driver", "--mode=controller"];
+        let cfg = Config::try_parse_from(base).unwrap();
+        assert_eq!(cfg.overcommit_ratio, 1.0);
+        assert_eq!(cfg.capacity_reserve, CapacityReserve::Percent(5.0));
+        let cfg = Config::try_parse_from(
+            base.iter()
+                .copied()
+                .chain(["--overcommit-ratio=2", "--capacity-reserve=1GiB"]),
+        )
+        .unwrap();
+        assert_eq!(cfg.overcommit_ratio, 2.0);
+        assert_eq!(cfg.capacity_reserve, CapacityReserve::Bytes(1 << 30));
+        let err = Config::try_parse_from(base.iter().copied().chain(["--overcommit-ratio=0.9"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least 1"), "{err}");
+        let mut cfg = Config::try_parse_from(base).unwrap();
+        cfg.overcommit_ratio = 0.5;
+        assert!(cfg.validate().unwrap_err().contains("--overcommit-ratio"));
     }
 }

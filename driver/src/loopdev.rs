@@ -454,6 +454,15 @@ pub fn detach(device: &Path) -> Result<(), LoopError> {
     }
 }
 
+/// Switches a bound device's direct I/O on or off (`LOOP_SET_DIRECT_IO`). The kernel
+/// refuses (EINVAL) when the backing file cannot do direct I/O at the device's block size.
+pub fn set_direct_io(device: &Path, on: bool) -> Result<(), LoopError> {
+    let dev = open_loop(device, false)?;
+    unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), on as i32) }
+        .map(|_| ())
+        .map_err(|e| LoopError::ioctl("LOOP_SET_DIRECT_IO", device, e))
+}
+
 /// What the kernel reports for one bound device. `NotBound` when it is free.
 pub fn status(device: &Path) -> Result<LoopInfo, LoopError> {
     let dev = open_loop(device, false)?;

@@ -3,6 +3,7 @@
 //! `<state>/snapshots/<id>/data.img`. The fence works wherever the
 //! controller and the nodes share this directory and the kernel.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::{Backend, BackendError, Capacity, DataRef};
@@ -279,7 +280,132 @@ impl Backend for ImageBackend {
         })
     }
 
+    fn allocated(&self, what: &DataRef) -> Result<u64, BackendError> {
+        let path = match what {
+            DataRef::Generation(v, g) => self.generation_path(v, *g),
+            DataRef::Snapshot(s) => self.snapshot_path(s),
+        };
+        let bytes = if self.reflink {
+            exclusive_bytes(&path)
+        } else {
+            // Nothing is shared without reflinks: the blocks the file holds.
+            std::fs::metadata(&path).map(|m| m.blocks() * 512)
+        };
+        match bytes {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+            other => other.map_err(BackendError::io(format!(
+                "reading the allocation of {}",
+                path.display()
+            ))),
+        }
+    }
+
     fn generation_path(&self, vol: &VolumeId, gen: u64) -> PathBuf {
         self.volume_dir(vol).join(format!("gen-{gen:06}.img"))
+    }
+}
+
+/// `struct fiemap` of linux/fiemap.h (the request header).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct Fiemap {
+    start: u64,
+    length: u64,
+    flags: u32,
+    mapped_extents: u32,
+    extent_count: u32,
+    reserved: u32,
+}
+
+/// `struct fiemap_extent` of linux/fiemap.h.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct FiemapExtent {
+    logical: u64,
+    physical: u64,
+    length: u64,
+    reserved64: [u64; 2],
+    flags: u32,
+    reserved: [u32; 3],
+}
+
+const FIEMAP_BATCH: usize = 256;
+
+/// The header followed by room for [`FIEMAP_BATCH`] extents, as the ioctl expects.
+#[repr(C)]
+struct FiemapRequest {
+    head: Fiemap,
+    extents: [FiemapExtent; FIEMAP_BATCH],
+}
+
+const FIEMAP_EXTENT_LAST: u32 = 0x0000_0001;
+/// Data compressed or otherwise encoded: its length is not what it takes on disk.
+const FIEMAP_EXTENT_ENCODED: u32 = 0x0000_0008;
+/// The extent is shared with another file (a reflink clone or snapshot of it).
+const FIEMAP_EXTENT_SHARED: u32 = 0x0000_2000;
+
+nix::ioctl_readwrite!(fs_ioc_fiemap, b'f', 11, Fiemap);
+
+/// Bytes of `path` in extents that no other file shares (FIEMAP): what the file holds
+/// by itself on a reflink filesystem. Encoded (compressed) extents are not counted either,
+/// since their mapped length is not their size on disk: the result never exceeds what
+/// removing or overwriting the file would give back.
+fn exclusive_bytes(path: &Path) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path)?;
+    let mut req = Box::new(FiemapRequest {
+        head: Fiemap::default(),
+        extents: [FiemapExtent::default(); FIEMAP_BATCH],
+    });
+    let (mut start, mut total) = (0u64, 0u64);
+    loop {
+        req.head = Fiemap {
+            start,
+            length: u64::MAX,
+            extent_count: FIEMAP_BATCH as u32,
+            ..Default::default()
+        };
+        // SAFETY: a valid fd, and a header followed by room for `extent_count` extents.
+        unsafe { fs_ioc_fiemap(file.as_raw_fd(), &mut req.head) }.map_err(std::io::Error::from)?;
+        let n = (req.head.mapped_extents as usize).min(FIEMAP_BATCH);
+        if n == 0 {
+            return Ok(total);
+        }
+        for e in &req.extents[..n] {
+            if e.flags & (FIEMAP_EXTENT_SHARED | FIEMAP_EXTENT_ENCODED) == 0 {
+                total += e.length;
+            }
+        }
+        let last = req.extents[n - 1];
+        if last.flags & FIEMAP_EXTENT_LAST != 0 {
+            return Ok(total);
+        }
+        start = last.logical + last.length;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn exclusive_bytes_counts_written_extents_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        fsops::create_sparse(&path, 64 << 20).unwrap();
+        assert_eq!(
+            exclusive_bytes(&path).unwrap(),
+            0,
+            "a sparse file holds nothing"
+        );
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all(&vec![0xAB; 3 << 20]).unwrap();
+        f.sync_all().unwrap();
+        let held = exclusive_bytes(&path).unwrap();
+        assert!(
+            (3 << 20..=4 << 20).contains(&held),
+            "3 MiB written, {held} bytes held"
+        );
     }
 }

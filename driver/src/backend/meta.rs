@@ -81,9 +81,19 @@ pub struct VolumeMeta {
     // Named "quarantined" in records written before; not podgc's node quarantine.
     #[serde(alias = "quarantined")]
     pub fenced_from: BTreeMap<String, u64>,
+    /// What `CreateVolume`/`ControllerModifyVolume` set (see `controller::modify`).
+    #[serde(default)]
+    pub mutable_parameters: BTreeMap<String, String>,
 }
 
 impl VolumeMeta {
+    /// The volume's direct-I/O choice, if it made one (otherwise the node's default).
+    pub fn direct_io(&self) -> Option<bool> {
+        self.mutable_parameters
+            .get(crate::controller::modify::DIRECT_IO)
+            .and_then(|v| v.parse().ok())
+    }
+
     pub fn volume_id(&self) -> VolumeId {
         match VolumeId::parse(&self.id) {
             Ok(Parsed::Ours(v)) => v,
@@ -137,6 +147,9 @@ struct Cache {
 pub struct MetaStore {
     root: PathBuf,
     cache: Mutex<Cache>,
+    /// Held from a capacity check to the record that takes the space (see
+    /// [`MetaStore::capacity_guard`]).
+    capacity: Mutex<()>,
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> std::io::Result<Option<T>> {
@@ -167,6 +180,7 @@ impl MetaStore {
         let store = MetaStore {
             root: state_dir.to_path_buf(),
             cache: Mutex::new(Cache::default()),
+            capacity: Mutex::new(()),
         };
         let mut cache = Cache::default();
         for (kind, file) in [("volumes", "volume.json"), ("snapshots", "snapshot.json")] {
@@ -190,6 +204,14 @@ impl MetaStore {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Serialises the calls that take capacity (CreateVolume, ControllerExpandVolume): each
+    /// holds it from its check of the capacity until the record that takes the space is
+    /// written, so two calls cannot both take the last of it. The accounting itself is
+    /// computed from the records (see [`super::capacity`]), never kept as a counter.
+    pub fn capacity_guard(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.capacity.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn volume_path(state_dir: &Path, id: &str) -> PathBuf {
@@ -355,6 +377,7 @@ mod tests {
                     fence_reason: None,
                 },
             )]),
+            mutable_parameters: BTreeMap::new(),
             attachments: BTreeMap::new(),
             fenced_from: BTreeMap::new(),
         }

@@ -3,6 +3,7 @@
 //! [`meta::MetaStore`] (bookkeeping), so another backend, for example a
 //! networked one with real blocklisting, can be added without touching it.
 
+pub mod capacity;
 pub mod image;
 pub mod meta;
 
@@ -128,7 +129,14 @@ pub trait Backend: Send + Sync + 'static {
     fn remove_generation(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError>;
     /// Deletes all that is left of a volume.
     fn delete_volume(&self, vol: &VolumeId) -> Result<(), BackendError>;
+    /// The size of the backend's storage and its free space now (see [`capacity`] for
+    /// what is promised of it).
     fn capacity(&self) -> Result<Capacity, BackendError>;
+    /// Bytes of storage that the data of `what` (a generation's image, a snapshot) holds
+    /// by itself: allocated to it and shared with nothing else, so that the storage would
+    /// lose them if it were written in full or removed. Extents a reflink shares with
+    /// another file are not counted. 0 when it does not exist.
+    fn allocated(&self, what: &DataRef) -> Result<u64, BackendError>;
     /// The file a node attaches for a generation.
     fn generation_path(&self, vol: &VolumeId, gen: u64) -> PathBuf;
     /// Whether the generation's data still exists.

@@ -5,6 +5,7 @@
 
 pub mod attach;
 mod leftovers;
+pub mod modify;
 mod quiesce;
 mod snapshots;
 mod volumes;
@@ -189,6 +190,7 @@ impl Controller {
             RpcType::VolumeCondition,
             RpcType::GetVolume,
             RpcType::SingleNodeMultiWriter,
+            RpcType::ModifyVolume,
             RpcType::UnpublishFence,
         ]
         .into_iter()
@@ -307,11 +309,13 @@ impl CsiController for ControllerService {
     }
     async fn controller_modify_volume(
         &self,
-        _r: Request<ControllerModifyVolumeRequest>,
+        r: Request<ControllerModifyVolumeRequest>,
     ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "ControllerModifyVolume is not supported (MODIFY_VOLUME is not advertised)",
-        ))
+        let c = self.0.clone();
+        blocking("ControllerModifyVolume", move || {
+            c.modify_volume(r.into_inner())
+        })
+        .await
     }
 }
 

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use fencecsi_proto::v1::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use fencecsi_proto::v1::*;
 
-use super::{Controller, VOL_CTX_FS_TYPE};
+use super::{Controller, TOPOLOGY_KEY, VOL_CTX_FS_TYPE};
+use crate::backend::capacity::{self, Policy};
 use crate::backend::meta::{now_nanos, Generation, Source, VolumeMeta, VolumeState};
 use crate::backend::DataRef;
 use crate::capability::{self, Access};
@@ -24,12 +25,10 @@ fn round_up(n: u64) -> u64 {
 }
 
 /// Resolves a CSI capacity range into a size: INVALID_ARGUMENT when the range
-/// is malformed, OUT_OF_RANGE when it cannot be met.
-pub(super) fn size_for(
-    range: Option<&CapacityRange>,
-    min: u64,
-    backend_total: u64,
-) -> CsiResult<u64> {
+/// is malformed, OUT_OF_RANGE when it cannot be met: below the minimum, or above
+/// `largest`, the largest volume the backend could ever hold (whether the size fits
+/// the capacity left now is checked separately: RESOURCE_EXHAUSTED).
+pub(super) fn size_for(range: Option<&CapacityRange>, min: u64, largest: u64) -> CsiResult<u64> {
     let (req, lim) = range
         .map(|r| (r.required_bytes, r.limit_bytes))
         .unwrap_or((0, 0));
@@ -63,9 +62,9 @@ pub(super) fn size_for(
             )));
         }
     }
-    if size > backend_total {
+    if size > largest {
         return Err(CsiError::OutOfRange(format!(
-            "{size} bytes is larger than the whole backend ({backend_total} bytes)"
+            "{size} bytes is larger than the backend can ever hold: at most {largest} bytes (its size less the reserve, times the over-commit ratio, less the fence trailer)"
         )));
     }
     Ok(size)
@@ -155,8 +154,7 @@ impl Controller {
         let fs_type = self.choose_fs(self.parse_parameters(&req.parameters)?, &access)?;
         let all_block = access.iter().all(|a| a.block);
         let min = capability::min_size(&fs_type, all_block);
-        let total = self.backend.capacity()?.total_bytes;
-        let size = size_for(req.capacity_range.as_ref(), min, total)?;
+        let size = size_for(req.capacity_range.as_ref(), min, self.largest_volume()?)?;
         if let Some(t) = &req.accessibility_requirements {
             let ours = self.topology();
             if !t.requisite.is_empty() && !t.requisite.contains(&ours) {
@@ -225,8 +223,10 @@ impl Controller {
             )));
         }
 
+        let mutable_parameters = super::modify::validate(&req.mutable_parameters)?;
         let id = VolumeId::generate();
         let meta = VolumeMeta {
+            mutable_parameters,
             id: id.to_string(),
             name: req.name.clone(),
             state: VolumeState::Creating,
@@ -254,9 +254,18 @@ impl Controller {
             attachments: BTreeMap::new(),
             fenced_from: BTreeMap::new(),
         };
+        // The capacity is taken by the record: checked and written under one guard, so
+        // concurrent creates cannot both take the last of it. A retry of this name finds
+        // the record above and is not checked again.
+        let reserve = self.store.capacity_guard();
+        self.ensure_capacity(
+            capacity::volume_commitment(&meta),
+            &format!("a volume of {size} bytes"),
+        )?;
         // Metadata first: a crash after this point leaves a Creating record
         // that a retry with the same name completes, so no image is orphaned.
         self.persist(&meta)?;
+        drop(reserve);
         crate::failpoint::hit("create:after-record");
         let v = self.finish_create(meta)?;
         tracing::info!(volume = %v.id, name = %v.name, size = v.capacity_bytes, fs = %v.fs_type, "volume created");
@@ -499,6 +508,46 @@ impl Controller {
         }
     }
 
+    /// The configured over-commit ratio and reserve.
+    fn capacity_policy(&self) -> Policy {
+        Policy::of(&self.cfg)
+    }
+
+    /// The largest volume the backend could ever hold (above it: OUT_OF_RANGE).
+    fn largest_volume(&self) -> CsiResult<u64> {
+        Ok(self
+            .capacity_policy()
+            .largest_volume(&self.backend.capacity()?))
+    }
+
+    /// The capacity accounting now (see [`crate::backend::capacity`]).
+    pub(crate) fn assess_capacity(&self) -> CsiResult<capacity::Assessment> {
+        Ok(capacity::assess(
+            &self.capacity_policy(),
+            &*self.backend,
+            &self.store,
+        )?)
+    }
+
+    /// RESOURCE_EXHAUSTED unless `bytes` more can be promised now. The caller holds
+    /// [`crate::backend::meta::MetaStore::capacity_guard`] until its record is written.
+    fn ensure_capacity(&self, bytes: u64, what: &str) -> CsiResult<()> {
+        let a = self.assess_capacity()?;
+        if bytes > a.headroom() {
+            tracing::warn!(
+                need = bytes,
+                headroom = a.headroom(),
+                committed = a.committed,
+                outstanding = a.outstanding,
+                "refused for capacity: {what}"
+            );
+            return Err(CsiError::ResourceExhausted(format!(
+                "out of capacity: {what} needs {bytes} bytes of the backend (with its fence trailer), and {a}"
+            )));
+        }
+        Ok(())
+    }
+
     pub(super) fn get_capacity(&self, req: GetCapacityRequest) -> CsiResult<GetCapacityResponse> {
         let fs = self
             .parse_parameters(&req.parameters)?
@@ -508,18 +557,33 @@ impl Controller {
             .iter()
             .map(capability::parse)
             .collect();
-        let cap = self.backend.capacity()?;
+        let a = self.assess_capacity()?;
+        let none = GetCapacityResponse {
+            available_capacity: 0,
+            maximum_volume_size: Some(0),
+            ..Default::default()
+        };
         let Ok(access) = access else {
             // Nothing with those capabilities can be provisioned.
-            return Ok(GetCapacityResponse {
-                available_capacity: 0,
-                ..Default::default()
-            });
+            return Ok(none);
         };
+        // A segment of another state dir and kernel: CreateVolume cannot make volumes
+        // accessible there (it refuses such a requisite topology), so nothing is available.
+        let ours = self.topology();
+        if req.accessible_topology.as_ref().is_some_and(|t| {
+            t.segments
+                .get(TOPOLOGY_KEY)
+                .is_some_and(|v| Some(v) != ours.segments.get(TOPOLOGY_KEY))
+        }) {
+            return Ok(none);
+        }
         let block = !access.is_empty() && access.iter().all(|a| a.block);
+        let available = a.available_for_volume() as i64;
         Ok(GetCapacityResponse {
-            available_capacity: cap.available_bytes as i64,
-            maximum_volume_size: Some(cap.total_bytes as i64),
+            available_capacity: available,
+            // The largest volume CreateVolume takes now. (The Kubernetes scheduler prefers
+            // this over the capacity when both are published: it must not be larger.)
+            maximum_volume_size: Some(available),
             minimum_volume_size: Some(capability::min_size(&fs, block) as i64),
         })
     }
@@ -544,25 +608,40 @@ impl Controller {
         if let Some(cap) = &req.volume_capability {
             capability::parse(cap)?;
         }
-        let total = self.backend.capacity()?.total_bytes;
-        let size = size_for(Some(range), v.capacity_bytes, total)?;
+        let size = size_for(Some(range), v.capacity_bytes, self.largest_volume()?)?;
         if size > v.capacity_bytes {
             // A fenced current generation is immutable; the clone made at the
             // next publish is created at the recorded size instead.
             // Generations keep the data size they have now; only the
             // current one, if writable, grows.
             let old = v.capacity_bytes;
-            for g in v.generations.values_mut() {
+            let before = capacity::volume_commitment(&v);
+            let mut grown = v.clone();
+            for g in grown.generations.values_mut() {
                 g.data_bytes.get_or_insert(old);
             }
-            if !v.current_is_fenced() {
-                let gen = v.current_generation;
-                self.backend.grow(&id, gen, v.data_bytes(gen), size)?;
-                if let Some(g) = v.generations.get_mut(&gen) {
+            let gen = grown.current_generation;
+            let from = grown.data_bytes(gen);
+            let writable = !grown.current_is_fenced();
+            if writable {
+                if let Some(g) = grown.generations.get_mut(&gen) {
                     g.data_bytes = Some(size);
                 }
             }
-            v.capacity_bytes = size;
+            grown.capacity_bytes = size;
+            // The growth is taken like a new volume's space (under the same guard until
+            // the record says so); a fenced current generation's is the larger copy the
+            // next publish makes.
+            let _reserve = self.store.capacity_guard();
+            let growth = capacity::volume_commitment(&grown).saturating_sub(before);
+            self.ensure_capacity(
+                growth,
+                &format!("growing volume {id} from {old} to {size} bytes"),
+            )?;
+            if writable {
+                self.backend.grow(&id, gen, from, size)?;
+            }
+            v = grown;
             self.persist(&v)?;
             tracing::info!(volume = %id, size, "volume expanded");
         }

@@ -144,7 +144,8 @@ impl Node {
             &image,
             &AttachOptions {
                 read_only: true,
-                direct_io: self.cfg.direct_io,
+                // The staged device's mode: the twin reads the same image the same way.
+                direct_io: lo.direct_io,
                 tag,
                 // The same window as the staged device: never the fence trailer.
                 size_limit: lo.size_limit,

@@ -145,7 +145,9 @@ impl Node {
         }
 
         self.refuse_second_staging(&id, &staging)?;
-        let lo = self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen))?;
+        let direct_io = meta.direct_io().unwrap_or(self.cfg.direct_io);
+        let lo =
+            self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen), direct_io)?;
         crate::failpoint::hit("stage:after-attach");
         if access.block {
             self.stage_block(&id, &staging, &lo)?;
@@ -171,6 +173,7 @@ impl Node {
         image: &Path,
         readonly: bool,
         data_bytes: u64,
+        direct_io: bool,
     ) -> CsiResult<LoopInfo> {
         let tag = loop_tag(id, gen, &self.node_id);
         // Shared with other attaches, exclusive with a fence on this image:
@@ -207,7 +210,7 @@ impl Node {
             image,
             &AttachOptions {
                 read_only: readonly,
-                direct_io: self.cfg.direct_io,
+                direct_io,
                 tag,
                 size_limit: data_bytes,
             },
