@@ -19,6 +19,10 @@ use crate::controller::{Controller, ControllerService};
 use crate::identity::IdentityService;
 use crate::node::{Node, NodeService};
 
+mod authority;
+mod hpack;
+pub use authority::FixAuthority;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("invalid configuration: {0}")]
@@ -186,8 +190,13 @@ pub async fn serve_with_metrics(
         )))
         .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
         .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))));
+    // Every connection goes through FixAuthority: clients that send the socket path
+    // as `:authority` (grpcio, grpc-java, ...) are otherwise refused by h2.
+    let incoming = tokio_stream::StreamExt::map(UnixListenerStream::new(listener), |conn| {
+        conn.map(FixAuthority::new)
+    });
     let result = router
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     // Let a running collection finish (it writes metadata) before giving up the state dir.
     let _ = gc_stop.send(true);

@@ -735,6 +735,27 @@ async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
     assert_ne!(v4.volume_id, v1.volume_id);
     unpublish_and_delete(&mut c, &v4.volume_id).await;
     assert_eq!(volume_dirs(&env), 0);
+
+    // xfs needs 300 MiB: a smaller request is rounded up. The same name with a range
+    // the existing volume does not fit is ALREADY_EXISTS (the name answers first); a new
+    // name with that range is OUT_OF_RANGE.
+    let xfs = mount_cap(Access::SingleNodeWriter, "xfs");
+    let small = create(&mut c, "pvc-xfs", 64 * MIB, &xfs, &[]).await;
+    assert_eq!(small.capacity_bytes, 300 * MIB);
+    let tight = |name: &str| csi::CreateVolumeRequest {
+        capacity_range: range(128 * MIB, 128 * MIB),
+        ..create_req(name, 0, &xfs, &[])
+    };
+    assert_code!(
+        c.controller.create_volume(tight("pvc-xfs")),
+        Code::AlreadyExists
+    );
+    assert_code!(
+        c.controller.create_volume(tight("pvc-xfs-2")),
+        Code::OutOfRange
+    );
+    unpublish_and_delete(&mut c, &small.volume_id).await;
+    assert_eq!(volume_dirs(&env), 0);
     plugin.stop().await;
     env.assert_clean();
 }

@@ -154,7 +154,14 @@ impl Controller {
         let fs_type = self.choose_fs(self.parse_parameters(&req.parameters)?, &access)?;
         let all_block = access.iter().all(|a| a.block);
         let min = capability::min_size(&fs_type, all_block);
-        let size = size_for(req.capacity_range.as_ref(), min, self.largest_volume()?)?;
+        // A size that cannot be made is OUT_OF_RANGE, but only once no volume has this
+        // name: an existing one answers first (ALREADY_EXISTS when it does not match), as
+        // the spec orders the checks. A malformed range is refused at once.
+        let size = match size_for(req.capacity_range.as_ref(), min, self.largest_volume()?) {
+            Ok(s) => Ok(s),
+            Err(CsiError::OutOfRange(m)) => Err(m),
+            Err(e) => return Err(e),
+        };
         if let Some(t) = &req.accessibility_requirements {
             let ours = self.topology();
             if !t.requisite.is_empty() && !t.requisite.contains(&ours) {
@@ -202,6 +209,8 @@ impl Controller {
                 volume: Some(self.to_csi(&v)),
             });
         }
+
+        let size = size.map_err(CsiError::OutOfRange)?;
 
         // Check the source before writing anything.
         let min_from_source = match &source {
