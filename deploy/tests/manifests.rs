@@ -91,22 +91,27 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["list", "watch"]),
     // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
     ("node", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
-    // external-provisioner v5 (--feature-gates=Topology=true, --leader-election,
-    // --enable-capacity --capacity-ownerref-level=2)
+    // external-provisioner v6.3 (--leader-election, --enable-capacity
+    // --capacity-ownerref-level=2; Topology and VolumeAttributesClass on by default)
     ("provisioner", Cluster, "", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),
     ("provisioner", Cluster, "", "persistentvolumeclaims", &["get", "list", "watch", "update"]),
     ("provisioner", Cluster, "storage.k8s.io", "storageclasses", &["get", "list", "watch"]),
     ("provisioner", Cluster, "storage.k8s.io", "csinodes", &["get", "list", "watch"]),
     ("provisioner", Cluster, "", "nodes", &["get", "list", "watch"]),
     ("provisioner", Cluster, "storage.k8s.io", "volumeattachments", &["get", "list", "watch"]),
-    ("provisioner", Cluster, "snapshot.storage.k8s.io", "volumesnapshots", &["get", "list"]),
+    // v6.2+: a finalizer on the source VolumeSnapshot while provisioning from it (get, update);
+    // v6.3: an informer and sweep that drop orphaned ones (list, watch, update).
+    ("provisioner", Cluster, "snapshot.storage.k8s.io", "volumesnapshots", &["get", "list", "watch", "update"]),
     ("provisioner", Cluster, "snapshot.storage.k8s.io", "volumesnapshotcontents", &["get", "list"]),
+    // VolumeAttributesClass (GA in v6): a PVC's VAC parameters become CreateVolume's
+    // mutable_parameters (StorageV1().VolumeAttributesClasses().Get).
+    ("provisioner", Cluster, "storage.k8s.io", "volumeattributesclasses", &["get"]),
     ("provisioner", Cluster, "", "events", &["create", "update", "patch"]),
     ("provisioner", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     ("provisioner", Ns(NS), "storage.k8s.io", "csistoragecapacities", &["list", "watch", "create", "update", "delete"]),
     ("provisioner", Ns(NS), "", "pods", &["get"]),
     ("provisioner", Ns(NS), "apps", "replicasets", &["get"]),
-    // external-resizer v1 (--leader-election)
+    // external-resizer v2.2 (--leader-election; VolumeAttributesClass on by default)
     ("resizer", Cluster, "", "persistentvolumes", &["get", "list", "watch", "patch"]),
     ("resizer", Cluster, "", "persistentvolumeclaims", &["get", "list", "watch"]),
     ("resizer", Cluster, "", "persistentvolumeclaims/status", &["patch"]),
@@ -114,12 +119,19 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("resizer", Cluster, "storage.k8s.io", "volumeattributesclasses", &["get", "list", "watch"]),
     ("resizer", Cluster, "", "events", &["create", "update", "patch"]),
     ("resizer", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
-    // csi-snapshotter v8 (--leader-election; no group snapshots)
+    // csi-snapshotter v8.6 (--leader-election; no group snapshots)
     ("snapshotter", Cluster, "snapshot.storage.k8s.io", "volumesnapshotclasses", &["get", "list", "watch"]),
     ("snapshotter", Cluster, "snapshot.storage.k8s.io", "volumesnapshotcontents", &["get", "list", "watch", "update", "patch"]),
     ("snapshotter", Cluster, "snapshot.storage.k8s.io", "volumesnapshotcontents/status", &["update", "patch"]),
     ("snapshotter", Cluster, "", "events", &["create", "update", "patch"]),
     ("snapshotter", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
+    // external-health-monitor-controller v0.18 (--leader-election; node watcher off, so no
+    // pods or nodes): informers on PVs, PVCs and events; its event recorder creates and
+    // patches (never updates) events.
+    ("health-monitor", Cluster, "", "persistentvolumes", &["list", "watch"]),
+    ("health-monitor", Cluster, "", "persistentvolumeclaims", &["list", "watch"]),
+    ("health-monitor", Cluster, "", "events", &["list", "watch", "create", "patch"]),
+    ("health-monitor", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
 ];
 
 /// Where each component with RBAC runs: (component, workload, container).
@@ -129,6 +141,7 @@ const COMPONENTS: &[(&str, &str, &str)] = &[
     ("provisioner", CONTROLLER, "csi-provisioner"),
     ("resizer", CONTROLLER, "csi-resizer"),
     ("snapshotter", CONTROLLER, "csi-snapshotter"),
+    ("health-monitor", CONTROLLER, "csi-health-monitor"),
     ("node", NODE, "fencecsi-driver"),
 ];
 
@@ -1360,15 +1373,27 @@ fn only_the_node_plugin_gets_an_api_token_in_the_node_pod() {
 // Flags and images
 // ---------------------------------------------------------------------------------------
 
-/// The flags each upstream sidecar documents (a subset: the ones a deployment like this one
-/// may use). The manifests may use only these.
+/// The upstream sidecars: (image repository, the release the flags were read from, flags).
+/// The flags are a subset of what that release's cmd/*/main.go registers (with
+/// csi-lib-utils' standardflags and component-base's logging flags, e.g. `v`): the ones a
+/// deployment like this one may use. The manifests may use only these, and only with that
+/// release, so a version bump makes someone re-read the new release's flags (removed
+/// flags and feature gates are what break on an upgrade).
 #[rustfmt::skip]
-const SIDECARS: &[(&str, &[&str])] = &[
-    ("registry.k8s.io/sig-storage/csi-provisioner", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "extra-create-metadata", "default-fstype", "worker-threads", "http-endpoint", "strict-topology", "immediate-topology", "retry-interval-start", "retry-interval-max", "enable-capacity", "capacity-ownerref-level"]),
-    ("registry.k8s.io/sig-storage/csi-resizer", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "workers", "http-endpoint", "handle-volume-inuse-error", "retry-interval-start", "retry-interval-max"]),
-    ("registry.k8s.io/sig-storage/csi-snapshotter", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "worker-threads", "http-endpoint", "extra-create-metadata", "retry-interval-start", "retry-interval-max"]),
-    ("registry.k8s.io/sig-storage/livenessprobe", &["csi-address", "http-endpoint", "probe-timeout", "metrics-path", "v"]),
-    ("registry.k8s.io/sig-storage/csi-node-driver-registrar", &["csi-address", "kubelet-registration-path", "http-endpoint", "plugin-registration-path", "timeout", "v"]),
+const SIDECARS: &[(&str, &str, &[&str])] = &[
+    // cmd/csi-provisioner/csi-provisioner.go at v6.3.0 (common flags from csi-lib-utils
+    // v0.24 standardflags since v6.0).
+    ("registry.k8s.io/sig-storage/csi-provisioner", "v6.3.0", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "extra-create-metadata", "default-fstype", "worker-threads", "http-endpoint", "metrics-path", "strict-topology", "immediate-topology", "retry-interval-start", "retry-interval-max", "enable-capacity", "capacity-ownerref-level", "capacity-poll-interval", "snapshot-orphan-sweep-interval"]),
+    // cmd/csi-resizer/main.go at v2.2.1.
+    ("registry.k8s.io/sig-storage/csi-resizer", "v2.2.1", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "workers", "http-endpoint", "metrics-path", "handle-volume-inuse-error", "extra-modify-metadata", "retry-interval-start", "retry-interval-max"]),
+    // cmd/csi-snapshotter/main.go at v8.6.0.
+    ("registry.k8s.io/sig-storage/csi-snapshotter", "v8.6.0", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "worker-threads", "http-endpoint", "metrics-path", "extra-create-metadata", "retry-interval-start", "retry-interval-max"]),
+    // cmd/csi-external-health-monitor-controller/main.go at v0.18.0 (no --feature-gates).
+    ("registry.k8s.io/sig-storage/csi-external-health-monitor-controller", "v0.18.0", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "worker-threads", "http-endpoint", "metrics-path", "monitor-interval", "list-volumes-interval", "volume-list-add-interval", "enable-node-watcher"]),
+    // cmd/livenessprobe/main.go at v2.19.0.
+    ("registry.k8s.io/sig-storage/livenessprobe", "v2.19.0", &["csi-address", "http-endpoint", "probe-timeout", "metrics-path", "v"]),
+    // cmd/csi-node-driver-registrar/main.go at v2.17.0.
+    ("registry.k8s.io/sig-storage/csi-node-driver-registrar", "v2.17.0", &["csi-address", "kubelet-registration-path", "http-endpoint", "plugin-registration-path", "timeout", "v"]),
 ];
 
 fn image_repo_tag(image: &str) -> (&str, &str) {
@@ -1474,12 +1499,17 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
                 }
                 continue;
             }
-            let Some((_, flags)) = SIDECARS.iter().find(|(r, _)| *r == repo) else {
+            let Some((_, version, flags)) = SIDECARS.iter().find(|(r, ..)| *r == repo) else {
                 errors.push(format!(
                     "{what}: image {image} is neither fencecsi nor a known sidecar"
                 ));
                 continue;
             };
+            if tag != *version {
+                errors.push(format!(
+                    "{what}: image {image}, but SIDECARS lists the flags of {repo}:{version}: check the new release's flags (cmd/*/main.go, CHANGELOG) and update SIDECARS"
+                ));
+            }
             if c.command.is_some() {
                 errors.push(format!("{what}: keep the sidecar image's entrypoint"));
             }
@@ -1497,17 +1527,27 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
         }
     }
     let pod = pod_spec_of_deployment(&controller());
-    let prov = container(&pod, "csi-provisioner");
-    let (_, tag) = image_repo_tag(prov.image.as_deref().unwrap_or(""));
-    assert!(
-        tag.starts_with("v5."),
-        "csi-provisioner must be v5.x, is {tag}"
-    );
-    assert!(
-        flag(prov, "feature-gates").is_some_and(|g| g.split(',').any(|f| f == "Topology=true")),
-        "the driver reports topology: csi-provisioner needs --feature-gates=Topology=true"
-    );
-    for name in ["csi-provisioner", "csi-resizer", "csi-snapshotter"] {
+    // Topology is GA and on by default in v6 (SIDECARS pins the version); the driver reports
+    // topology, so it must not be switched off. Likewise VolumeAttributesClass in the
+    // provisioner and resizer: it switches itself off where the API server has no v1 VAC,
+    // and forcing it either way is wrong on some supported Kubernetes (deploy/README.md).
+    for (name, gate) in [
+        ("csi-provisioner", "Topology"),
+        ("csi-provisioner", "VolumeAttributesClass"),
+        ("csi-resizer", "VolumeAttributesClass"),
+    ] {
+        let gates = flag(container(&pod, name), "feature-gates").unwrap_or_default();
+        assert!(
+            !gates.split(',').any(|f| f.split('=').next() == Some(gate)),
+            "{name}: leave the {gate} feature gate at its default (--feature-gates={gates})"
+        );
+    }
+    for name in [
+        "csi-provisioner",
+        "csi-resizer",
+        "csi-snapshotter",
+        "csi-health-monitor",
+    ] {
         let v = flag(container(&pod, name), "leader-election");
         assert!(
             matches!(v.as_deref(), Some("") | Some("true")),
@@ -1524,6 +1564,85 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
         errors.is_empty(),
         "images and sidecar flags:\n  {}",
         errors.join("\n  ")
+    );
+}
+
+/// The controller pod's external-health-monitor-controller container.
+const HEALTH_MONITOR: &str = "csi-health-monitor";
+
+/// The controller capabilities the controller plugin advertises, read from the source of
+/// `fn capabilities` in driver/src/controller/mod.rs (`RpcType::<Name>` entries).
+fn advertised_controller_capabilities() -> BTreeSet<String> {
+    let path = repo_root().join("driver/src/controller/mod.rs");
+    let src = production_source(&read(&path));
+    let start = src
+        .find("fn capabilities(")
+        .unwrap_or_else(|| panic!("{}: no fn capabilities(", path.display()));
+    let body = &src[start..];
+    let end = body.find("\n    }\n").unwrap_or(body.len());
+    let caps: BTreeSet<String> = body[..end]
+        .split("RpcType::")
+        .skip(1)
+        .map(|t| {
+            t.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        })
+        .collect();
+    assert!(
+        caps.contains("CreateDeleteVolume"),
+        "{}: could not read the controller capabilities from fn capabilities ({caps:?})",
+        path.display()
+    );
+    caps
+}
+
+/// external-health-monitor-controller turns the plugin's VOLUME_CONDITION into PVC events. It
+/// exits at start unless the plugin advertises VOLUME_CONDITION and LIST_VOLUMES or
+/// GET_VOLUME, so it runs exactly when the plugin advertises those.
+#[test]
+fn a_health_monitor_runs_exactly_when_the_plugin_reports_volume_condition() {
+    let caps = advertised_controller_capabilities();
+    let condition = caps.contains("VolumeCondition");
+    let pod = pod_spec_of_deployment(&controller());
+    let monitors: Vec<&Container> = pod
+        .containers
+        .iter()
+        .filter(|c| {
+            c.image
+                .as_deref()
+                .unwrap_or("")
+                .contains("/csi-external-health-monitor-controller:")
+        })
+        .collect();
+    if !condition {
+        assert!(
+            monitors.is_empty(),
+            "the plugin no longer advertises VOLUME_CONDITION: the health monitor would exit at start; remove it (and rbac-health-monitor.yaml)"
+        );
+        return;
+    }
+    assert_eq!(
+        monitors.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+        vec![HEALTH_MONITOR],
+        "the plugin advertises VOLUME_CONDITION: the controller pod needs one external-health-monitor-controller, named {HEALTH_MONITOR}"
+    );
+    assert!(
+        caps.contains("ListVolumes") || caps.contains("GetVolume"),
+        "the health monitor needs LIST_VOLUMES or GET_VOLUME besides VOLUME_CONDITION ({caps:?})"
+    );
+    let hm = monitors[0];
+    // ListVolumes is what it calls when advertised; --monitor-interval paces only the
+    // GetVolume path.
+    if caps.contains("ListVolumes") {
+        assert!(
+            flag(hm, "monitor-interval").is_none(),
+            "{HEALTH_MONITOR}: with LIST_VOLUMES, --monitor-interval does nothing; set --list-volumes-interval"
+        );
+    }
+    assert!(
+        flag(hm, "enable-node-watcher").is_none_or(|v| v == "false"),
+        "{HEALTH_MONITOR}: the node watcher needs pods and nodes RBAC the table does not grant"
     );
 }
 
@@ -1993,6 +2112,20 @@ fn probes_hit_the_ports_the_processes_serve() {
                     c.name
                 );
             }
+        }
+        if workload == CONTROLLER {
+            let hm = container(&pod, HEALTH_MONITOR);
+            let l = hm
+                .liveness_probe
+                .as_ref()
+                .and_then(|p| p.http_get.as_ref())
+                .expect("health monitor liveness");
+            assert_eq!(l.path.as_deref(), Some("/healthz/leader-election"));
+            assert_eq!(
+                Some(port_number(hm, &l.port)),
+                http_endpoint_port(hm).map(|p| p.1),
+                "{HEALTH_MONITOR}: liveness probe port"
+            );
         }
         if workload == NODE {
             let reg = container(&pod, "node-driver-registrar");
