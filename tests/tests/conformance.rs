@@ -548,7 +548,22 @@ async fn create_volume_capacity_ranges() {
     );
     let cases: Vec<Case> = vec![
         ("tiny-ext4", &ext4, vec![], 1, 0, Some(16 * MIB)), // raised to the ext4 minimum
-        ("rounded", &ext4, vec![], 33 * MIB + 1, 0, Some(34 * MIB)), // rounded up to a MiB
+        (
+            "rounded",
+            &ext4,
+            vec![],
+            33 * MIB + 1,
+            0,
+            Some(33 * MIB + 4096),
+        ), // rounded up to 4 KiB
+        (
+            "aligned",
+            &ext4,
+            vec![],
+            33 * MIB + 8192,
+            0,
+            Some(33 * MIB + 8192),
+        ), // as asked
         ("exact", &ext4, vec![], 20 * MIB, 20 * MIB, Some(20 * MIB)),
         (
             "limit-wins",
@@ -1898,7 +1913,8 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expand_ext4_online() {
     require_root!();
-    expand_online("ext4", 32 * MIB, 64 * MIB).await;
+    // Not a whole MiB: the answer is exactly what was asked (csi-sanity compares).
+    expand_online("ext4", 32 * MIB, 64 * MIB + 12288).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,11 @@ use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, SnapshotId, VolumeId};
 
 pub(super) const DEFAULT_SIZE: u64 = 1 << 30;
-const ALIGN: u64 = 1 << 20;
+/// Sizes are rounded up to 4 KiB: the block size of the filesystems the driver makes
+/// and a whole number of the loop devices' sectors. No coarser: an expansion or a
+/// creation answers the size asked for whenever it is 4 KiB-aligned, as the resizer and
+/// csi-sanity expect.
+const ALIGN: u64 = 4096;
 /// StorageClass parameter naming the filesystem.
 pub const PARAM_FS_TYPE: &str = "fsType";
 /// Parameters Kubernetes sidecars may add; accepted and ignored.
@@ -696,7 +700,12 @@ mod tests {
         assert_eq!(size_for(Some(&range(1, 0)), 16 << 20, t).unwrap(), 16 << 20);
         assert_eq!(
             size_for(Some(&range((5 << 20) + 1, 0)), 1 << 20, t).unwrap(),
-            6 << 20
+            (5 << 20) + 4096
+        );
+        assert_eq!(
+            size_for(Some(&range((5 << 20) + 8192, 0)), 1 << 20, t).unwrap(),
+            (5 << 20) + 8192,
+            "an aligned size is answered as asked"
         );
         assert_eq!(
             size_for(Some(&range((5 << 20) + 1, (5 << 20) + 100)), 1 << 20, t).unwrap(),
