@@ -1816,10 +1816,11 @@ fn names_agree_with_the_code() {
     );
     let spec = &d.spec;
     assert_eq!(spec.attach_required, Some(true));
-    assert_eq!(spec.pod_info_on_mount, Some(false));
+    // The kubelet marks an inline volume `csi.storage.k8s.io/ephemeral` only with pod info.
+    assert_eq!(spec.pod_info_on_mount, Some(true));
     assert_eq!(
         spec.volume_lifecycle_modes.as_deref(),
-        Some(&["Persistent".to_string()][..])
+        Some(&["Persistent".to_string(), "Ephemeral".to_string()][..])
     );
     assert_eq!(spec.fs_group_policy.as_deref(), Some("File"));
 

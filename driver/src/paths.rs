@@ -87,7 +87,7 @@ impl AllowedRoots {
 
 /// Canonicalises the longest existing ancestor and appends the rest, so a
 /// symlink planted in an existing parent cannot lead outside a root.
-fn resolve_existing_prefix(path: &Path) -> PathBuf {
+pub(crate) fn resolve_existing_prefix(path: &Path) -> PathBuf {
     let mut existing = path.to_path_buf();
     let mut rest = Vec::new();
     loop {

@@ -4,8 +4,10 @@
 //! kernel (loop devices by backing inode and tag, the mount table), so a plugin
 //! killed between any two steps finds its work on restart and a retried call
 //! completes it without doubling anything. The one thing the node keeps is the
-//! identity of the state dir it uses (`state_guard`).
+//! identity of the state dir it uses (`state_guard`), and the images of CSI ephemeral
+//! inline volumes, which are node-local (`ephemeral`).
 
+pub mod ephemeral;
 mod publish;
 pub mod recover;
 pub mod report;
@@ -78,6 +80,8 @@ pub struct Node {
     pub(crate) inflight: InFlight,
     /// Whether the state dir is the one this node's volumes live in (recovery and Probe).
     pub(crate) guard: Arc<state_guard::StateGuard>,
+    /// The owner part of this plugin's ephemeral loop tags (`ephemeral::owner_tag`).
+    pub(crate) ephemeral_owner: String,
 }
 
 impl Node {
@@ -105,14 +109,27 @@ impl Node {
             },
         )?;
         tracing::info!(node = %node_id, kubelet_dir = %cfg.kubelet_dir.display(), "node plugin registered");
-        Ok(Arc::new(Node {
+        let ephemeral_owner = ephemeral::owner_tag(&node_id, &cfg.node_state_dir());
+        let node = Arc::new(Node {
             cfg,
             node_id,
             roots,
             backend,
             inflight: InFlight::new(),
             guard,
-        }))
+            ephemeral_owner,
+        });
+        // Before the plugin serves: what a crashed plugin left of ephemeral volumes whose
+        // publish never completed goes now, before kubelet retries anything.
+        let swept = node.sweep_ephemeral();
+        if !swept.removed.is_empty() || !swept.kept.is_empty() {
+            tracing::info!(
+                removed = swept.removed.len(),
+                kept = swept.kept.len(),
+                "ephemeral volumes checked at start"
+            );
+        }
+        Ok(node)
     }
 
     /// A client's volume ID that must be ours; foreign IDs are NOT_FOUND.

@@ -1,16 +1,17 @@
 //! NodePublishVolume / NodeUnpublishVolume: bind mounts from the staging path
-//! to each pod's target path.
+//! to each pod's target path. Ephemeral inline volumes (no staging) are made and
+//! removed here too, in `ephemeral`.
 
 use std::path::{Path, PathBuf};
 
 use fencecsi_proto::v1::*;
 
 use super::stage::{block_staging_file, rdev};
-use super::{loop_tag, remove_target, Node};
+use super::{ephemeral, loop_tag, remove_target, Node};
 use crate::capability;
 use crate::controller::CTX_READONLY;
 use crate::error::{CsiError, CsiResult};
-use crate::ids::VolumeId;
+use crate::ids::{Parsed, VolumeId};
 use crate::loopdev::{self, AttachOptions};
 use crate::mounts::{self, PathState};
 
@@ -21,6 +22,9 @@ impl Node {
     ) -> CsiResult<NodePublishVolumeResponse> {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
+        }
+        if ephemeral::is_ephemeral(&req.volume_context) {
+            return self.publish_ephemeral(&req);
         }
         // Arguments first, then existence (see stage).
         let target = self.roots.check("target_path", &req.target_path)?;
@@ -175,7 +179,11 @@ impl Node {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
         let target = self.roots.check("target_path", &req.target_path)?;
-        let id = self.our_volume(&req.volume_id)?;
+        // An ID not in our format can only be an ephemeral inline volume's.
+        let id = match VolumeId::parse(&req.volume_id)? {
+            Parsed::Ours(id) => id,
+            Parsed::Foreign => return self.unpublish_ephemeral(&req.volume_id, &target, req.force),
+        };
         let _lock = self.inflight.try_lock(id.as_str())?;
         let mounted = !matches!(mounts::path_state(&target), PathState::Missing)
             && mounts::is_mountpoint(&target).unwrap_or(true);

@@ -23,6 +23,10 @@
 //! 3. When nothing fenced is left, report the node clean through a [`CleanReporter`]
 //!    (fencecsi-podgc's `NodeCleanReporter` sets `fencecsi.io/node-clean` on the Node).
 //!
+//! Every pass also sweeps ephemeral inline volumes that are not mounted anywhere
+//! (`ephemeral::Node::sweep_ephemeral`), before and whatever the state dir check: they are
+//! node-local, and never count against the node being clean.
+//!
 //! "This node's" devices: several node plugins may share one kernel (the drill, tests,
 //! kind), and loop devices are kernel-wide, so a device counts as this node's when one of
 //! its mounts lies under this node's kubelet dir, or, with no mount left anywhere, when the
@@ -319,6 +323,9 @@ impl Node {
     /// (`state_guard`) stops the pass before it does anything.
     pub fn recover_fenced(&self) -> PassOutcome {
         let mut out = PassOutcome::default();
+        // Ephemeral inline volumes are node-local: their leftovers go whatever the state
+        // dir looks like, and never keep the node from counting as clean.
+        self.sweep_ephemeral();
         match self.check_state_dir() {
             Ok(Some(_)) => {}
             Ok(None) => return out, // no identity yet, nothing held here
@@ -434,7 +441,7 @@ fn remove_dir_if_empty(dir: &Path) {
 
 /// Waits until `lo` is unbound (LOOP_CLR_FD may complete at the last close), or another
 /// file took the device number.
-fn wait_unbound(lo: &LoopInfo, limit: Duration) -> bool {
+pub(super) fn wait_unbound(lo: &LoopInfo, limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         match loopdev::status(&lo.device) {

@@ -21,7 +21,7 @@ pub(crate) fn rdev(path: &Path) -> std::io::Result<(u32, u32)> {
 }
 
 /// Every mount of a loop device (none when it vanished meanwhile).
-fn device_users(device: &Path) -> CsiResult<Vec<mounts::MountEntry>> {
+pub(super) fn device_users(device: &Path) -> CsiResult<Vec<mounts::MountEntry>> {
     let Ok((major, minor)) = rdev(device) else {
         return Ok(Vec::new());
     };

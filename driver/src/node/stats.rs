@@ -20,7 +20,22 @@ impl Node {
         if req.volume_path.is_empty() {
             return Err(CsiError::InvalidArgument("volume_path is required".into()));
         }
-        let id = self.our_volume(&req.volume_id)?;
+        let id = match crate::ids::VolumeId::parse(&req.volume_id)? {
+            crate::ids::Parsed::Ours(id) => id,
+            crate::ids::Parsed::Foreign => {
+                // Only an ephemeral inline volume can have such an ID.
+                let path = self
+                    .roots
+                    .check("volume_path", &req.volume_path)
+                    .map_err(|e| {
+                        CsiError::NotFound(format!(
+                            "volume {} is not at that path: {e}",
+                            req.volume_id
+                        ))
+                    })?;
+                return self.stats_ephemeral(&req.volume_id, &path);
+            }
+        };
         // Only ever inspected, never created: a path that cannot be below the
         // kubelet dir cannot hold the volume, which the spec (and csi-sanity,
         // with a relative "some/path") calls NOT_FOUND.
