@@ -72,6 +72,12 @@ impl Identity for IdentityService {
                     })),
                 },
             );
+            // Served with the controller (volume group snapshots, see controller::group).
+            caps.push(PluginCapability {
+                r#type: Some(Type::Service(Service {
+                    r#type: ServiceType::GroupControllerService as i32,
+                })),
+            });
         }
         Ok(Response::new(GetPluginCapabilitiesResponse {
             capabilities: caps,

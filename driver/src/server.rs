@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fencecsi_proto::v1::controller_server::ControllerServer;
+use fencecsi_proto::v1::group_controller_server::GroupControllerServer;
 use fencecsi_proto::v1::identity_server::IdentityServer;
 use fencecsi_proto::v1::node_server::NodeServer;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Config;
-use crate::controller::{Controller, ControllerService};
+use crate::controller::{Controller, ControllerService, GroupControllerService};
 use crate::identity::IdentityService;
 use crate::node::{Node, NodeService};
 
@@ -188,6 +189,11 @@ pub async fn serve_with_metrics(
             &cfg,
             node.as_ref().map(|n| n.guard.clone()),
         )))
+        .add_optional_service(
+            controller
+                .clone()
+                .map(|c| GroupControllerServer::new(GroupControllerService(c))),
+        )
         .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
         .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))));
     // Every connection goes through FixAuthority: clients that send the socket path

@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 use crate::fsops::{self, CloneKind};
 use crate::ids::{Parsed, SnapshotId, VolumeId};
 
+/// Where group snapshot records live: `<state>/group-snapshots/<id>.json`.
+pub const GROUPS_DIR: &str = "group-snapshots";
+
 pub fn now_nanos() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -127,6 +130,29 @@ pub struct SnapshotMeta {
     pub created_at: i64,
     pub ready: bool,
     pub origin: Option<CloneKind>,
+    /// The volume group snapshot this snapshot is a member of (see
+    /// `controller::group`): it is deleted only with its group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_snapshot_id: Option<String>,
+}
+
+/// A volume group snapshot: member snapshots of several volumes taken at one
+/// instant. Its members are ordinary snapshot records that name it; the group
+/// record is written after them and removed before them, so a member whose
+/// group has no record is what a crash left (see `controller::group`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSnapshotMeta {
+    pub id: String,
+    pub name: String,
+    /// As the request named them (compared as a set).
+    pub source_volume_ids: Vec<String>,
+    /// One member per source volume, in the same order.
+    pub snapshot_ids: Vec<String>,
+    /// The request's parameters (part of its identity for idempotency).
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+    /// The instant the members were copied at.
+    pub created_at: i64,
 }
 
 /// What a node plugin registers so the controller can tell real nodes from
@@ -142,6 +168,7 @@ pub struct NodeRecord {
 struct Cache {
     volumes: BTreeMap<String, VolumeMeta>,
     snapshots: BTreeMap<String, SnapshotMeta>,
+    groups: BTreeMap<String, GroupSnapshotMeta>,
 }
 
 pub struct MetaStore {
@@ -195,6 +222,18 @@ impl MetaStore {
                 } else if let Some(s) = read_json::<SnapshotMeta>(&path)? {
                     cache.snapshots.insert(s.id.clone(), s);
                 }
+            }
+        }
+        let groups = state_dir.join(GROUPS_DIR);
+        std::fs::create_dir_all(&groups)?;
+        for entry in std::fs::read_dir(&groups)?.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // Temp files of an interrupted atomic write start with a dot.
+            if name.starts_with('.') || !name.ends_with(".json") {
+                continue;
+            }
+            if let Some(g) = read_json::<GroupSnapshotMeta>(&entry.path())? {
+                cache.groups.insert(g.id.clone(), g);
             }
         }
         std::fs::create_dir_all(state_dir.join("nodes"))?;
@@ -332,6 +371,76 @@ impl MetaStore {
         Ok(())
     }
 
+    fn snapshot_record_path(&self, id: &str) -> PathBuf {
+        self.root.join("snapshots").join(id).join("snapshot.json")
+    }
+
+    fn group_record_path(&self, id: &str) -> PathBuf {
+        self.root.join(GROUPS_DIR).join(format!("{id}.json"))
+    }
+
+    pub fn group(&self, id: &str) -> Option<GroupSnapshotMeta> {
+        self.lock().groups.get(id).cloned()
+    }
+
+    pub fn group_by_name(&self, name: &str) -> Option<GroupSnapshotMeta> {
+        self.lock()
+            .groups
+            .values()
+            .find(|g| g.name == name)
+            .cloned()
+    }
+
+    pub fn groups(&self) -> Vec<GroupSnapshotMeta> {
+        self.lock().groups.values().cloned().collect()
+    }
+
+    /// Records a group and its members: every member record first, the group
+    /// record last (a crash in between leaves members without a group, which
+    /// the next start removes). The in-memory view takes all of them at once,
+    /// so no caller sees a member before its group.
+    pub fn put_group(
+        &self,
+        g: &GroupSnapshotMeta,
+        members: &[SnapshotMeta],
+    ) -> std::io::Result<()> {
+        for m in members {
+            write_json(&self.snapshot_record_path(&m.id), m)?;
+        }
+        crate::failpoint::hit("group-snapshot:after-members");
+        write_json(&self.group_record_path(&g.id), g)?;
+        let mut cache = self.lock();
+        for m in members {
+            cache.snapshots.insert(m.id.clone(), m.clone());
+        }
+        cache.groups.insert(g.id.clone(), g.clone());
+        Ok(())
+    }
+
+    /// Forgets a group and its members' records (not their data): the group
+    /// record first, so a crash part way leaves members without a group, which
+    /// the next start removes. The in-memory view drops them all at once, once
+    /// every file is gone (a failed call leaves it whole for the retry).
+    pub fn remove_group(&self, g: &GroupSnapshotMeta) -> std::io::Result<()> {
+        match std::fs::remove_file(self.group_record_path(&g.id)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        fsops::fsync_dir(&self.root.join(GROUPS_DIR))?;
+        for sid in &g.snapshot_ids {
+            match std::fs::remove_file(self.snapshot_record_path(sid)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        let mut cache = self.lock();
+        for sid in &g.snapshot_ids {
+            cache.snapshots.remove(sid);
+        }
+        cache.groups.remove(&g.id);
+        Ok(())
+    }
+
     pub fn register_node(state_dir: &Path, rec: &NodeRecord) -> std::io::Result<()> {
         write_json(
             &state_dir
@@ -391,6 +500,49 @@ mod tests {
         obj.insert("quarantined".into(), serde_json::json!({"node-a": 3}));
         let v: VolumeMeta = serde_json::from_value(json).unwrap();
         assert_eq!(v.fenced_from.get("node-a"), Some(&3));
+    }
+
+    #[test]
+    fn groups_and_members_survive_a_reopen_and_go_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = MetaStore::open(dir.path()).unwrap();
+        // A snapshot record written before groups existed still loads.
+        let old = serde_json::json!({
+            "id": SnapshotId::generate().to_string(), "name": "old",
+            "source_volume_id": "vol-x", "size_bytes": 1, "created_at": 0,
+            "ready": true, "origin": null,
+        });
+        let old: SnapshotMeta = serde_json::from_value(old).unwrap();
+        assert_eq!(old.group_snapshot_id, None);
+        store.put_snapshot(&old).unwrap();
+        let gid = "group-0123456789abcdef0123456789abcdef".to_string();
+        let members: Vec<SnapshotMeta> = (0..2)
+            .map(|i| SnapshotMeta {
+                id: SnapshotId::generate().to_string(),
+                name: format!("g/{i}"),
+                group_snapshot_id: Some(gid.clone()),
+                ..old.clone()
+            })
+            .collect();
+        let g = GroupSnapshotMeta {
+            id: gid.clone(),
+            name: "g".into(),
+            source_volume_ids: vec!["vol-a".into(), "vol-b".into()],
+            snapshot_ids: members.iter().map(|m| m.id.clone()).collect(),
+            parameters: BTreeMap::new(),
+            created_at: 7,
+        };
+        store.put_group(&g, &members).unwrap();
+        let reopened = MetaStore::open(dir.path()).unwrap();
+        assert_eq!(reopened.group(&gid), Some(g.clone()));
+        assert_eq!(reopened.group_by_name("g"), Some(g.clone()));
+        assert_eq!(reopened.snapshots().len(), 3);
+        reopened.remove_group(&g).unwrap();
+        assert_eq!(reopened.group(&gid), None);
+        assert_eq!(reopened.snapshots(), vec![old.clone()]);
+        let again = MetaStore::open(dir.path()).unwrap();
+        assert!(again.groups().is_empty());
+        assert_eq!(again.snapshots(), vec![old]);
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The CSI Controller service: volume lifecycle (`volumes`), attachments and
-//! the fence (`attach`), snapshots (`snapshots`). Every RPC runs its blocking
+//! the fence (`attach`), snapshots (`snapshots`); and the GroupController
+//! service (`group`: volume group snapshots). Every RPC runs its blocking
 //! work (files, ioctls, clones) off the async runtime and holds the volume's
 //! in-flight lock, so concurrent calls for one volume get ABORTED.
 
 pub mod attach;
+mod group;
 mod leftovers;
 pub mod modify;
 mod quiesce;
@@ -27,6 +29,8 @@ use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
 use crate::locks::InFlight;
 use crate::rpc::blocking;
+
+pub use group::GroupControllerService;
 
 /// Keys of the publish_context the node plugin reads.
 pub const CTX_GENERATION: &str = "loop.fencecsi.io/generation";
@@ -112,6 +116,7 @@ impl Controller {
         let store = MetaStore::open(&cfg.state_dir)?;
         tracing::info!(state_dir = %cfg.state_dir.display(), volumes = store.volumes().len(), "controller state loaded");
         leftovers::clean(&cfg.state_dir, &store);
+        group::clean_leftovers(&cfg.state_dir, &store, &backend);
         let fence = crate::fence::probe(&cfg.state_dir);
         match &fence {
             Ok(p) => {

@@ -11,6 +11,16 @@
 //!   backing filesystem without reflinks there is no way to stop the loop
 //!   device's writers for the length of a copy, so the copy is refused
 //!   rather than made torn.
+//!
+//! A group of volumes (`group`) is copied at one instant when every member's
+//! writers are stopped together: all visible filesystems are frozen first,
+//! then every member is copied, then all are thawed. A member that cannot be
+//! frozen keeps writing during the copies, so the copies are one instant only
+//! if that member is copied atomically (a reflink) while all the others are
+//! frozen: the frozen members do not change between their freeze and the
+//! thaw, so each equals its state at the instant of that one reflink. Two
+//! such members would be copied at two different instants, with writes to
+//! either in between; such a group is refused. See [`Controller::quiesce_group`].
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -29,6 +39,9 @@ const FITHAW: libc::c_ulong = 0xC004_5878;
 /// Filesystems frozen for a copy; thawed when dropped, error or not.
 pub(crate) struct Quiesced {
     frozen: Vec<(File, PathBuf)>,
+    /// Set when a writer of the volume could not be stopped: the copy is one
+    /// instant only if it is a reflink (the caller checks what it made).
+    pub(crate) reflink_required: bool,
 }
 
 impl Drop for Quiesced {
@@ -49,7 +62,87 @@ impl Controller {
     /// Stops every writer of generation `gen` for as long as the result
     /// lives (see the module docs), or refuses with FAILED_PRECONDITION.
     pub(crate) fn quiesce(&self, id: &VolumeId, gen: u64, data_bytes: u64) -> CsiResult<Quiesced> {
-        let mut q = Quiesced { frozen: Vec::new() };
+        let mut q = Quiesced {
+            frozen: Vec::new(),
+            reflink_required: false,
+        };
+        let running = self.freeze_writers(id, gen, data_bytes, &mut q)?;
+        if let Some(dev) = running.first() {
+            if !self.backend.reflinks() {
+                return Err(self.no_reflink_refusal(id, dev));
+            }
+            q.reflink_required = true;
+        }
+        Ok(q)
+    }
+
+    /// Stops the writers of every member of a group at once, for as long as
+    /// the result lives: returns the frozen filesystems, and the index in
+    /// `members` (volume, generation, data bytes) of the one member whose
+    /// writers could not be stopped, if there is one. That member must be
+    /// copied by one reflink while the result lives; the copies are then the
+    /// members' state at the instant of that reflink. Refuses (FAILED_PRECONDITION,
+    /// everything thawed) when more than one member keeps writers, or one does
+    /// and the state dir makes no reflinks.
+    pub(crate) fn quiesce_group(
+        &self,
+        members: &[(VolumeId, u64, u64)],
+    ) -> CsiResult<(Quiesced, Option<usize>)> {
+        let mut q = Quiesced {
+            frozen: Vec::new(),
+            reflink_required: false,
+        };
+        let mut running: Vec<(usize, PathBuf)> = Vec::new();
+        for (i, (id, gen, bytes)) in members.iter().enumerate() {
+            if let Some(dev) = self
+                .freeze_writers(id, *gen, *bytes, &mut q)?
+                .into_iter()
+                .next()
+            {
+                running.push((i, dev));
+            }
+        }
+        match running.as_slice() {
+            [] => Ok((q, None)),
+            [(i, dev)] if self.backend.reflinks() => {
+                tracing::info!(volume = %members[*i].0, device = %dev.display(), "group member cannot be frozen: it is copied by a reflink while every other member is frozen");
+                q.reflink_required = true;
+                Ok((q, Some(*i)))
+            }
+            [(i, dev)] => Err(self.no_reflink_refusal(&members[*i].0, dev)),
+            many => Err(CsiError::FailedPrecondition(format!(
+                "volumes {} are in use through {} (raw block volumes, or mounts this controller cannot see): their writers cannot be stopped, and copies of two volumes that keep writing are not taken at one instant, so the group snapshot would not be point-in-time. Snapshot the group when at most one of them is in use that way",
+                many.iter()
+                    .map(|(i, _)| members[*i].0.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                many.iter()
+                    .map(|(_, d)| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ))),
+        }
+    }
+
+    fn no_reflink_refusal(&self, id: &VolumeId, dev: &std::path::Path) -> CsiError {
+        CsiError::FailedPrecondition(format!(
+            "volume {id} is in use through {} (a raw block volume, or a mount this controller cannot see) and the state dir's filesystem ({}) makes no reflinks: a copy now would not be point-in-time. Snapshot it when it is not in use, or keep the state dir on xfs or btrfs",
+            dev.display(),
+            crate::fence::fs_name(&self.cfg.state_dir)
+        ))
+    }
+
+    /// Freezes the filesystem of every writing holder of `gen` that this
+    /// process can see (adding it to `q`); returns the writing holders that
+    /// could not be frozen.
+    fn freeze_writers(
+        &self,
+        id: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+        q: &mut Quiesced,
+    ) -> CsiResult<Vec<PathBuf>> {
+        let mut running = Vec::new();
         let holders = self.backend.holders(id, gen)?;
         for lo in holders.iter().filter(|l| !l.read_only) {
             if crate::fence::is_fenced_device(lo, data_bytes) {
@@ -90,16 +183,10 @@ impl Controller {
                     }
                 }
             }
-            if frozen {
-                continue;
-            } else if !self.backend.reflinks() {
-                return Err(CsiError::FailedPrecondition(format!(
-                    "volume {id} is in use through {} (a raw block volume, or a mount this controller cannot see) and the state dir's filesystem ({}) makes no reflinks: a copy now would not be point-in-time. Snapshot it when it is not in use, or keep the state dir on xfs or btrfs",
-                    lo.device.display(),
-                    crate::fence::fs_name(&self.cfg.state_dir)
-                )));
+            if !frozen {
+                running.push(lo.device.clone());
             }
         }
-        Ok(q)
+        Ok(running)
     }
 }

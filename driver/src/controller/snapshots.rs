@@ -3,6 +3,11 @@
 //! backend supports it, a sparse copy otherwise. Data first, record second:
 //! a crash in between leaves a directory without a record, which the next
 //! start removes (`leftovers`).
+//!
+//! Members of a volume group snapshot (`group`) are snapshots too: listed,
+//! restorable, with `group_snapshot_id` set. The spec lets a plugin refuse to
+//! delete one on its own (INVALID_ARGUMENT), which this one does: a member
+//! goes with its group.
 
 use fencecsi_proto::v1::*;
 
@@ -11,21 +16,21 @@ use crate::backend::meta::{now_nanos, SnapshotMeta};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, SnapshotId};
 
-fn timestamp(nanos: i64) -> prost_types::Timestamp {
+pub(super) fn timestamp(nanos: i64) -> prost_types::Timestamp {
     prost_types::Timestamp {
         seconds: nanos / 1_000_000_000,
         nanos: (nanos % 1_000_000_000) as i32,
     }
 }
 
-fn to_csi(s: &SnapshotMeta) -> Snapshot {
+pub(super) fn to_csi(s: &SnapshotMeta) -> Snapshot {
     Snapshot {
         size_bytes: s.size_bytes as i64,
         snapshot_id: s.id.clone(),
         source_volume_id: s.source_volume_id.clone(),
         creation_time: Some(timestamp(s.created_at)),
         ready_to_use: s.ready,
-        group_snapshot_id: String::new(),
+        group_snapshot_id: s.group_snapshot_id.clone().unwrap_or_default(),
     }
 }
 
@@ -54,7 +59,13 @@ impl Controller {
         let _name_lock = self
             .inflight
             .try_lock(format!("snapshot-name:{}", req.name))?;
-        if let Some(existing) = self.store.snapshot_by_name(&req.name) {
+        // Group members carry their group's name; they are not this call's.
+        let existing = self
+            .store
+            .snapshots()
+            .into_iter()
+            .find(|s| s.name == req.name && s.group_snapshot_id.is_none());
+        if let Some(existing) = existing {
             if existing.source_volume_id != req.source_volume_id {
                 return Err(CsiError::AlreadyExists(format!(
                     "snapshot {:?} already exists for volume {}",
@@ -76,8 +87,17 @@ impl Controller {
         let bytes = v.data_bytes(gen);
         let (origin, size) = {
             // Writers stop (or the copy is a reflink) for the copy only.
-            let _quiet = self.quiesce(&vid, gen, bytes)?;
-            self.backend.snapshot(&vid, gen, bytes, &sid)?
+            let quiet = self.quiesce(&vid, gen, bytes)?;
+            let made = self.backend.snapshot(&vid, gen, bytes, &sid)?;
+            if quiet.reflink_required && made.0 != crate::fsops::CloneKind::Reflink {
+                // The reflink failed and a plain copy was made of a volume
+                // that kept writing: not one instant.
+                let _ = self.backend.delete_snapshot(&sid);
+                return Err(CsiError::FailedPrecondition(format!(
+                    "volume {vid} is in use by writers that cannot be stopped, and the copy could not be made as a reflink: it would not be point-in-time"
+                )));
+            }
+            made
         };
         crate::failpoint::hit("snapshot:after-copy");
         let meta = SnapshotMeta {
@@ -88,6 +108,7 @@ impl Controller {
             created_at: now_nanos(),
             ready: true,
             origin: Some(origin),
+            group_snapshot_id: None,
         };
         if let Err(e) = self.store.put_snapshot(&meta) {
             let _ = self.backend.delete_snapshot(&sid);
@@ -108,6 +129,11 @@ impl Controller {
             Parsed::Foreign => return Ok(DeleteSnapshotResponse {}),
         };
         let _lock = self.inflight.try_lock(sid.as_str())?;
+        if let Some(g) = self.store.snapshot(&sid).and_then(|s| s.group_snapshot_id) {
+            return Err(CsiError::InvalidArgument(format!(
+                "snapshot {sid} is part of volume group snapshot {g} and cannot be deleted on its own: delete the group (DeleteVolumeGroupSnapshot)"
+            )));
+        }
         // Record first, then data: a crash in between leaves unreferenced data
         // that a retried delete still removes.
         self.store
