@@ -261,12 +261,12 @@ impl Runner {
                 keep_pvs.extend(pvs);
             }
         }
-        if !selected.is_empty() || (oos && evicts_running) {
-            if self.ensure_quarantine(node, &why, oos).await? {
-                s.quarantined_now.push(node.to_string());
-                if oos && selected.is_empty() {
-                    tracing::warn!(node, "quarantined with the out-of-service taint so its stateful pods are evicted now");
-                }
+        if (!selected.is_empty() || (oos && evicts_running))
+            && self.ensure_quarantine(node, &why, oos).await?
+        {
+            s.quarantined_now.push(node.to_string());
+            if oos && selected.is_empty() {
+                tracing::warn!(node, "quarantined with the out-of-service taint so its stateful pods are evicted now");
             }
         }
         if !selected.is_empty() {
