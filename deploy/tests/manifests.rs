@@ -88,7 +88,7 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Cluster, "storage.k8s.io", "csidrivers", &["list", "watch"]),
     ("podgc", Cluster, "events.k8s.io", "events", &["create"]),
     ("podgc", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
-    ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["list", "watch"]),
+    ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["get", "list", "watch"]),
     // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
     ("node", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
     // external-provisioner v6.3 (--leader-election, --enable-capacity

@@ -194,6 +194,14 @@ where
     }
 }
 
+/// Lets podgc run until the grace that starts when it starts leading has passed.
+async fn past_first_grace(h: &PodGcHandle) {
+    let start = std::time::Instant::now();
+    while start.elapsed() < cfg().shutdown_grace + Duration::from_millis(300) {
+        h.next_pass().await;
+    }
+}
+
 /// Lets podgc run `n` more passes.
 async fn passes(h: &PodGcHandle, n: usize) {
     for _ in 0..n {
@@ -371,6 +379,7 @@ async fn pods_of_drivers_without_safe_detach_and_rwx_pods_are_left_alone_with_an
     terminate(&c, "shared-0").await;
     set_ready(&c, "n1", "False", Duration::from_secs(60)).await;
     let h = PodGc::new(c.clone(), cfg()).spawn();
+    past_first_grace(&h).await;
     passes(&h, 5).await;
     let pods = c.api::<Pod>(Some(NS));
     for p in [&p_unsafe, &p_rwx] {
@@ -995,6 +1004,7 @@ async fn out_of_service_taint_evicts_running_stateful_pods_without_waiting_for_t
         )
         .spawn();
         set_ready(&c, "n1", "Unknown", Duration::from_secs(10)).await;
+        past_first_grace(&h).await;
         passes(&h, 3).await;
         let n = c.api::<Node>(None).get("n1").await.unwrap();
         assert_eq!(
@@ -1287,4 +1297,36 @@ async fn a_node_whose_lease_stops_is_acted_on_after_the_lease_grace_alone() {
     for hb in hbs {
         hb.shutdown().await;
     }
+}
+
+/// A podgc that starts (or takes over as leader) knows nothing of the time before: a node
+/// NotReady for long gets a full grace from then, as the node lifecycle controller does
+/// after its own start. After an outage, a standby that takes over must not act at once
+/// on nodes whose heartbeats have not arrived yet.
+#[tokio::test]
+async fn a_podgc_that_starts_leading_gives_every_down_node_a_full_grace() {
+    let c = cluster(&["n1", "n2", "n3"]).await;
+    pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
+    terminate(&c, "db-0").await;
+    set_ready(&c, "n1", "Unknown", Duration::from_secs(600)).await;
+    let started = Timestamp::now();
+    let h = PodGc::new(c.clone(), cfg()).spawn();
+    let first = h.next_pass().await;
+    assert_eq!(first.unhealthy, 1);
+    assert!(
+        first.force_deleted.is_empty() && first.quarantined_now.is_empty(),
+        "acted on the first pass: {first:?}"
+    );
+    let pods = c.api::<Pod>(Some(NS));
+    wait_for("db-0 force-deleted", || async {
+        pods.get_opt("db-0").await.unwrap().is_none()
+    })
+    .await;
+    let grace = SignedDuration::try_from(cfg().shutdown_grace).unwrap();
+    // quarantined-at has second precision.
+    assert!(
+        quarantined_at(&c, "n1").await.duration_since(started)
+            >= grace - SignedDuration::from_secs(1)
+    );
+    h.shutdown().await.unwrap();
 }

@@ -172,6 +172,32 @@ impl Caches {
         }
     }
 
+    /// Compares a Lease read just now with what the watch delivered: `true` when it is
+    /// still the renewal podgc last saw, so the node really has not renewed since then.
+    /// Otherwise the watch was behind (an API server restart, a stalled stream), and the
+    /// renewal is recorded as seen now.
+    pub(super) fn lease_unchanged(&mut self, fresh: &Lease) -> bool {
+        let name = fresh.metadata.name.clone().unwrap_or_default();
+        let renew = fresh
+            .spec
+            .as_ref()
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0.to_string());
+        match self.leases.get(&name) {
+            Some(l) if l.renew == renew => true,
+            _ => {
+                self.leases.insert(
+                    name,
+                    LeaseInfo {
+                        renew,
+                        observed: now(),
+                    },
+                );
+                false
+            }
+        }
+    }
+
     pub(super) fn apply_lease(&mut self, ev: WatchEvent<Lease>) -> bool {
         let renew_of = |l: &Lease| {
             l.spec
@@ -316,5 +342,48 @@ impl Caches {
             .collect();
         out.sort();
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fencecsi_cluster::k8s_openapi::api::coordination::v1::LeaseSpec;
+    use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+
+    fn lease(renewed: i64) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some("n1".into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                renew_time: Some(MicroTime(Timestamp::from_second(renewed).unwrap())),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// The Lease read before acting decides: the renewal the watch delivered means stale;
+    /// a newer one means the watch was behind, and it counts as seen now.
+    #[test]
+    fn a_fresh_read_of_a_stale_looking_lease_decides() {
+        let mut c = Caches::default();
+        c.apply_lease(WatchEvent::Listed(vec![lease(1_000)]));
+        let seen = c.leases["n1"].observed;
+        assert!(c.lease_unchanged(&lease(1_000)));
+        assert_eq!(
+            c.leases["n1"].observed, seen,
+            "unchanged: the clock keeps running"
+        );
+        assert!(
+            !c.lease_unchanged(&lease(1_010)),
+            "renewed behind the watch's back"
+        );
+        assert!(
+            c.leases["n1"].observed > seen,
+            "the renewal counts from now"
+        );
+        assert!(c.lease_unchanged(&lease(1_010)));
     }
 }

@@ -83,10 +83,13 @@ struct Runner {
     recorder: EventRecorder,
     caches: Caches,
     in_disruption: bool,
-    /// When disruption mode last ended: every node's grace starts no earlier, as the
-    /// node lifecycle controller restarts its timers then. A node NotReady since the
-    /// outage began may be one whose heartbeats have simply not arrived yet.
-    disruption_ended: Option<Timestamp>,
+    /// When podgc last restarted every node's clocks: when disruption mode ended, and
+    /// when this instance started leading (it knows nothing of the time before; the node
+    /// lifecycle controller restarts its timers then too). No node's grace starts
+    /// earlier: a node NotReady since an outage began may be one whose heartbeats have
+    /// simply not arrived yet, and a standby that takes over after an outage must not
+    /// act on it at once.
+    clocks_restarted: Option<Timestamp>,
     /// Pod UIDs already warned about (per node), so a skipped pod gets one Event.
     warned: HashMap<String, HashSet<String>>,
     /// Nodes told about (Event) why the out-of-service taint stays off them.

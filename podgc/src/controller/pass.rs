@@ -3,8 +3,10 @@
 
 use std::collections::HashSet;
 
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
 use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
+use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
 use fencecsi_cluster::{EventType, ListParams};
 
 use super::caches::{NodeInfo, Readiness};
@@ -57,7 +59,7 @@ impl Runner {
     ///
     /// Neither clock starts before disruption mode last ended.
     fn down(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Down> {
-        let floor = |t: Timestamp| match self.disruption_ended {
+        let floor = |t: Timestamp| match self.clocks_restarted {
             Some(ended) if ended > t => ended,
             _ => t,
         };
@@ -138,7 +140,7 @@ impl Runner {
                 unhealthy.len(),
                 s.nodes
             );
-            self.disruption_ended = Some(now);
+            self.clocks_restarted = Some(now);
             tracing::info!("{msg}");
             self.event(
                 self.lease_ref.clone(),
@@ -195,12 +197,44 @@ impl Runner {
             if now < down.act_at {
                 continue;
             }
+            if matches!(down.why, DownBy::Lease(_)) && !self.lease_still_stale(&name).await {
+                continue;
+            }
             if let Err(e) = self.handle_node(&name, &down, &mut s).await {
                 tracing::warn!(node = %name, error = %e, "acting on a shut-down node failed; retried next pass");
             }
         }
         s.quarantined = self.count_quarantined();
         s
+    }
+
+    /// A node about to be acted on because its Lease looks stale: read the Lease itself.
+    /// The watch may be behind (it backs off after an API server restart), and a
+    /// renewal it has not delivered yet must not make a live node look dead. Unsure
+    /// (the read fails) counts as not stale: the next pass tries again.
+    async fn lease_still_stale(&mut self, node: &str) -> bool {
+        match self
+            .cluster
+            .api::<Lease>(Some(NODE_LEASE_NAMESPACE))
+            .get_opt(node)
+            .await
+        {
+            Ok(Some(fresh)) => {
+                let stale = self.caches.lease_unchanged(&fresh);
+                if !stale {
+                    tracing::info!(
+                        node,
+                        "its Lease was renewed after all (the watch was behind): not acting"
+                    );
+                }
+                stale
+            }
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(node, error = %e, "reading the node's Lease failed: not acting on it this pass");
+                false
+            }
+        }
     }
 
     fn count_quarantined(&self) -> usize {

@@ -188,7 +188,7 @@ impl PodGc {
                 ..Default::default()
             },
             in_disruption: false,
-            disruption_ended: None,
+            clocks_restarted: None,
             oos_withheld: Default::default(),
             warned: HashMap::new(),
             seq: 0,
@@ -196,6 +196,7 @@ impl PodGc {
         };
         tracing::info!(identity = %cfg.identity, shutdown_grace = ?cfg.shutdown_grace, node_lease_grace = ?cfg.node_lease_grace,
             max_unhealthy_fraction = cfg.max_unhealthy_fraction, out_of_service_taint = cfg.out_of_service_taint, "podgc starting");
+        let mut was_leading = false;
         let far = tokio::time::Instant::now() + Duration::from_secs(3600 * 24 * 365);
         let mut next_pass = far;
         tokio::pin!(shutdown);
@@ -217,6 +218,11 @@ impl PodGc {
                 _ = &mut shutdown => break,
                 _ = tokio::time::sleep_until(next_pass), if r.caches.synced() => {
                     let leading = leader.as_ref().is_none_or(|l| l.is_leader());
+                    if leading && !was_leading {
+                        r.clocks_restarted = Some(now());
+                        tracing::info!("leading: every node's grace starts now");
+                    }
+                    was_leading = leading;
                     self.metrics.leader.set(leading as i64);
                     let start = Instant::now();
                     let summary = if leading { r.pass().await } else {
@@ -256,7 +262,7 @@ impl Runner {
                 next = next.min(d + Duration::from_millis(5));
             }
         };
-        let floor = |t: Timestamp| self.disruption_ended.map_or(t, |e| e.max(t));
+        let floor = |t: Timestamp| self.clocks_restarted.map_or(t, |e| e.max(t));
         for (name, info) in &self.caches.nodes {
             if let Readiness::NotReady(t) = info.ready {
                 consider(floor(t) + sd(self.cfg.shutdown_grace));
