@@ -357,3 +357,75 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
     rig.stop().await;
     env.assert_clean();
 }
+
+/// A stray holder fenced while the volume stays published to another node is a partial
+/// fence: its window sits just past the data. Growing the data would put that window
+/// onto volume bytes, so ControllerExpandVolume refuses while such a device exists.
+/// Control: once the stray is gone, the same expansion succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expansion_waits_while_a_fenced_stray_holds_the_generation() {
+    require_root!();
+    let env = Env::new();
+    let rig = Rig::start(&env, &["node-b"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = rig.create("grow-stray", SIZE, &cap).await;
+    let b = rig
+        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
+        .await
+        .unwrap();
+    let image = generation_path(&env, &vol.volume_id, b.generation());
+    let stray = loopdev::attach(
+        &image,
+        &AttachOptions {
+            tag: "admin-losetup".into(),
+            size_limit: SIZE as u64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let guard = Detach(stray.device.clone());
+    // The controller's partial fence (as for a holder no attachment entitles while B
+    // keeps writing): only the stray is remapped.
+    let stray_dev = stray.device.clone();
+    fencecsi_driver::fence::fence_devices(&image, SIZE as u64, &|l| l.device == stray_dev).unwrap();
+    assert!(is_fenced_device(
+        &loopdev::status(&stray.device).unwrap(),
+        SIZE as u64
+    ));
+    std::fs::write(b.target.join("still-b"), b"B keeps writing").unwrap();
+    let expand = |size: i64| {
+        let mut c = rig.controller.clone();
+        let id = vol.volume_id.clone();
+        async move {
+            c.controller
+                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+                    volume_id: id,
+                    capacity_range: Some(csi::CapacityRange {
+                        required_bytes: size,
+                        limit_bytes: 0,
+                    }),
+                    ..Default::default()
+                })
+                .await
+        }
+    };
+    let e = expand(2 * SIZE).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(
+        std::fs::metadata(&image).unwrap().len(),
+        SIZE as u64 + (1 << 20),
+        "the image did not grow"
+    );
+    drop(guard);
+    assert_eq!(
+        expand(2 * SIZE).await.unwrap().into_inner().capacity_bytes,
+        2 * SIZE
+    );
+    rig.node_teardown(&b, false).await.unwrap();
+    rig.unpublish(&vol.volume_id, "node-b", false)
+        .await
+        .unwrap();
+    delete_eventually(&rig, &vol.volume_id).await;
+    rig.stop().await;
+    env.assert_clean();
+}

@@ -168,9 +168,10 @@ impl Controller {
                 } else {
                     let e = std::io::Error::last_os_error();
                     match e.raw_os_error() {
-                        // Frozen by someone else already: still frozen, not ours to thaw.
-                        Some(libc::EBUSY) => frozen = true,
-                        Some(libc::EOPNOTSUPP | libc::ENOTTY) => {}
+                        // Frozen by someone else already: they may thaw it in the
+                        // middle of our copy, so it counts as still written (a reflink
+                        // is then required, or the copy is refused).
+                        Some(libc::EBUSY | libc::EOPNOTSUPP | libc::ENOTTY) => {}
                         _ => {
                             return Err(CsiError::internal(
                                 &format!(

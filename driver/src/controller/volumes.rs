@@ -636,6 +636,24 @@ impl Controller {
             let gen = grown.current_generation;
             let from = grown.data_bytes(gen);
             let writable = !grown.current_is_fenced();
+            // A device fenced away from this generation (a partial fence: other nodes
+            // stay entitled) shows a window just past the data; growing the data would
+            // put that window onto volume bytes. Expand once its node released it.
+            if writable {
+                let held = self
+                    .backend
+                    .holders(&id, gen)
+                    .map_err(|e| CsiError::internal("listing the volume's loop devices", e))?;
+                if let Some(lo) = held
+                    .iter()
+                    .find(|l| l.offset != 0 || crate::fence::is_fenced_device(l, from))
+                {
+                    return Err(CsiError::FailedPrecondition(format!(
+                        "volume {id} still has a fenced loop device ({}) on generation {gen}: it can grow once that node released it",
+                        lo.device.display()
+                    )));
+                }
+            }
             if writable {
                 if let Some(g) = grown.generations.get_mut(&gen) {
                     g.data_bytes = Some(size);

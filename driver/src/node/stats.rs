@@ -171,6 +171,28 @@ impl Node {
         let (lo, gen) = current.ok_or_else(|| {
             CsiError::FailedPrecondition(format!("volume {id} is not staged on this node"))
         })?;
+        if meta.fenced_from.contains_key(&self.node_id) {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id} was fenced away from this node: it is not expanded here"
+            )));
+        }
+        // A fence of this image takes the lock exclusively: under the shared lock the
+        // device is re-read, and a device a fence remapped to its window (a partial
+        // fence leaves no marker) or a generation fenced whole is never widened back
+        // onto the data.
+        let image = self.generation_path(&id, gen);
+        let _fence_lock = loopdev::BackingLock::on_path(&image, false)
+            .map_err(|e| CsiError::internal("locking the image against a concurrent fence", e))?;
+        let lo = loopdev::status(&lo.device)
+            .map_err(|e| CsiError::internal("reading the loop device", e))?;
+        if lo.offset != 0
+            || crate::fence::marker_path(&image).exists()
+            || crate::fence::is_fenced_device(&lo, meta.data_bytes(gen))
+        {
+            return Err(CsiError::FailedPrecondition(format!(
+                "this node's device for volume {id} is fenced: it is not expanded"
+            )));
+        }
         // The device shows the generation's data and never its fence
         // trailer: widen the window to the new data size (this also turns a
         // device attached before windows existed into a windowed one).

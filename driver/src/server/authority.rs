@@ -276,7 +276,15 @@ impl Rewriter {
         let mut at = 0;
         loop {
             match self.step(&buf[at..], out) {
-                Step::Consumed(n) => at += n,
+                Step::Consumed(n) => {
+                    at += n;
+                    // A step may have given up on the block it just took (and
+                    // forwarded it): the rest passes through as it is.
+                    if self.is_passthrough() {
+                        out.extend_from_slice(&buf[at..]);
+                        return;
+                    }
+                }
                 Step::More => {
                     buf.drain(..at);
                     self.pending = buf;
@@ -659,6 +667,20 @@ mod tests {
         }
         r.finish(&mut out);
         out
+    }
+
+    /// A header block the decoder cannot follow (index 0) in the middle of the stream:
+    /// everything, that block and what follows it, passes through as it came, in any
+    /// chunking, and nothing panics (h2 then answers the malformed block itself).
+    #[test]
+    fn an_undecodable_block_and_everything_after_it_pass_through() {
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &[0x80]));
+        input.extend(frame(HEADERS, END_HEADERS, 3, &[0x82, 0x86]));
+        input.extend(frame(0x0, END_STREAM, 3, b"data"));
+        for chunk in [1, 3, 7, 64, input.len()] {
+            assert_eq!(run(&input, chunk), input, "chunk {chunk}");
+        }
     }
 
     #[test]
