@@ -232,7 +232,18 @@ impl<K: Object> Api<K> {
                     params.label_selector.as_deref(),
                     params.field_selector.as_deref(),
                 )?;
-                s.clone().watch(m, params.resource_version.as_deref())
+                let stream = s.clone().watch(m, params.resource_version.as_deref())?;
+                Ok(if params.changes_only {
+                    use futures::StreamExt;
+                    stream
+                        .map(|ev| match ev {
+                            WatchEvent::Listed(_) => WatchEvent::Listed(Vec::new()),
+                            ev => ev,
+                        })
+                        .boxed()
+                } else {
+                    stream
+                })
             }
             Backend::Kube(c, _) => Ok(kube_backend::watch(
                 K::kube_api(c.clone(), self.namespace.as_deref()),

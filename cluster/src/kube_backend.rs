@@ -235,7 +235,11 @@ impl<K: Object> KubeWatch<K> {
     async fn next_event(&mut self) -> WatchEvent<K> {
         loop {
             match std::mem::replace(&mut self.phase, Phase::List) {
-                Phase::List => match list(&self.api, &self.params.list_params(), &|_| true).await {
+                Phase::List => match list(&self.api, &self.params.list_params(), &|_| {
+                    !self.params.changes_only
+                })
+                .await
+                {
                     Ok((items, rv)) => {
                         self.phase = Phase::Watch(rv);
                         return WatchEvent::Listed(items);

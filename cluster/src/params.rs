@@ -38,9 +38,17 @@ pub struct WatchParams {
     /// changes. `Some(rv)`: it starts with the changes after `rv` (from a list or an
     /// earlier event); if that point is too old to replay, it re-lists instead.
     pub resource_version: Option<String>,
+    /// The `Listed` events carry no objects, only the point the changes start from: for a
+    /// consumer that keeps nothing of the kind and reacts to changes (a full list of every
+    /// pod in a large cluster is gigabytes).
+    pub changes_only: bool,
 }
 
 impl WatchParams {
+    pub fn changes_only(mut self) -> Self {
+        self.changes_only = true;
+        self
+    }
     pub fn labels(mut self, selector: &str) -> Self {
         self.label_selector = Some(selector.to_string());
         self

@@ -85,6 +85,10 @@ impl Controller {
         let sid = SnapshotId::generate();
         let gen = v.current_generation;
         let bytes = v.data_bytes(gen);
+        // A snapshot counts its full size against the backend (an ext4 copy writes it):
+        // refused like a volume that does not fit, held until its record is written.
+        let _reserve = self.store.capacity_guard();
+        self.ensure_capacity(bytes, &format!("a snapshot of volume {vid}"))?;
         let (origin, size) = {
             // Writers stop (or the copy is a reflink) for the copy only.
             let quiet = self.quiesce(&vid, gen, bytes)?;

@@ -544,7 +544,7 @@ impl Controller {
 
     /// RESOURCE_EXHAUSTED unless `bytes` more can be promised now. The caller holds
     /// [`crate::backend::meta::MetaStore::capacity_guard`] until its record is written.
-    fn ensure_capacity(&self, bytes: u64, what: &str) -> CsiResult<()> {
+    pub(super) fn ensure_capacity(&self, bytes: u64, what: &str) -> CsiResult<()> {
         let a = self.assess_capacity()?;
         if bytes > a.headroom() {
             tracing::warn!(

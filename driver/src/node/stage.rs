@@ -65,14 +65,14 @@ pub(crate) fn fs_options(fs: &str, readonly: bool, flags: &[String]) -> Vec<Stri
 /// grow online (NodeExpandVolume without CAP_SYS_RESOURCE answers
 /// FAILED_PRECONDITION and promises this): grow it offline, before it is
 /// mounted. Sizes are read from the superblock, so an up-to-date volume
-/// costs one 1 KiB read; a gap under 1 MiB (a size cut by limit_bytes) is
-/// left alone.
+/// costs one 1 KiB read; a gap under one 4 KiB block (a size cut by
+/// limit_bytes to a non-aligned value) is left alone.
 fn grow_ext4_to_device(device: &Path) -> CsiResult<()> {
     let fs_size = fsutil::ext4_size(device)
         .map_err(|e| CsiError::internal("reading the ext4 superblock", e))?;
     let dev_size = fsutil::block_device_size(device)
         .map_err(|e| CsiError::internal("reading the device size", e))?;
-    if dev_size < fs_size + (1 << 20) {
+    if dev_size < fs_size + 4096 {
         return Ok(());
     }
     fsutil::grow_offline(device, "ext4")

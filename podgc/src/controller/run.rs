@@ -173,9 +173,12 @@ impl PodGc {
         let mut drivers_w = cluster
             .api::<CSIDriver>(None)
             .watch(&WatchParams::default())?;
-        // Finished pods never concern podgc; the rest only trigger passes (nothing kept).
+        // Finished pods never concern podgc; the rest only trigger passes: nothing is kept,
+        // and the (re-)list that starts the watch keeps no pod either.
         let mut pods_w = cluster.api::<Pod>(None).watch(
-            &WatchParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+            &WatchParams::default()
+                .fields("status.phase!=Succeeded,status.phase!=Failed")
+                .changes_only(),
         )?;
 
         let mut r = Runner {
