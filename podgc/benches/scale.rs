@@ -59,6 +59,7 @@ fn main() {
             d.timeout,
             fencecsi_cluster::cli::parse_duration,
         ),
+        grace: d.grace,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

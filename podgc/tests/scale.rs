@@ -18,6 +18,7 @@ async fn small_bench_runs() {
         unsafe_per_node: 2,
         rounds: 2,
         timeout: Duration::from_secs(20),
+        grace: Duration::from_secs(2),
     })
     .await
     .unwrap();

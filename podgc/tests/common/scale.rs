@@ -55,6 +55,9 @@ pub struct BenchArgs {
     pub rounds: usize,
     /// Give up on a round after this long.
     pub timeout: Duration,
+    /// podgc's shutdown grace (production default: 30 s). podgc gives every node a full
+    /// grace from when it starts leading, so the rounds begin after one.
+    pub grace: Duration,
 }
 
 impl Default for BenchArgs {
@@ -66,6 +69,7 @@ impl Default for BenchArgs {
             unsafe_per_node: 3,
             rounds: 3,
             timeout: Duration::from_secs(60),
+            grace: Duration::from_secs(30),
         }
     }
 }
@@ -590,7 +594,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
         a.nodes, r.load_time, r.rss_after_load_mib
     );
 
-    let grace = Duration::from_secs(30);
+    let grace = a.grace;
     let left_alone = a.unsafe_per_node;
     reset_peak();
     let t = Instant::now();
@@ -607,6 +611,9 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
     .spawn();
     handle.next_pass().await;
     r.podgc_sync_time = t.elapsed();
+    // Nodes taken down are NotReady since before podgc started: it acts on them only a
+    // grace after it started leading.
+    tokio::time::sleep((t + grace).saturating_duration_since(Instant::now())).await;
     for k in 0..a.rounds {
         let node = node_name(a.nodes / 2 + k * 7);
         let expect = expectation(&cluster, &node, a.safe_per_node).await?;
