@@ -24,6 +24,21 @@ impl Drop for Detach {
     }
 }
 
+/// A holder the records know nothing of: an admin's `losetup` on the image's data.
+fn admin_losetup(image: &Path) -> (loopdev::LoopInfo, Detach) {
+    let stray = loopdev::attach(
+        image,
+        &AttachOptions {
+            tag: "admin-losetup".into(),
+            size_limit: SIZE as u64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let guard = Detach(stray.device.clone());
+    (stray, guard)
+}
+
 fn write_and_sync(dir: &Path, name: &str) -> std::io::Result<()> {
     std::fs::write(dir.join(name), vec![0x5A; 256 << 10])?;
     std::fs::File::open(dir.join(name))?.sync_all()
@@ -213,16 +228,7 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
         .unwrap();
 
     let image = generation_path(&env, &vol.volume_id, a.generation());
-    let stray = loopdev::attach(
-        &image,
-        &AttachOptions {
-            tag: "admin-losetup".into(),
-            size_limit: SIZE as u64,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let _guard = Detach(stray.device.clone());
+    let (stray, _guard) = admin_losetup(&image);
     let dev = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -374,16 +380,7 @@ async fn expansion_waits_while_a_fenced_stray_holds_the_generation() {
         .await
         .unwrap();
     let image = generation_path(&env, &vol.volume_id, b.generation());
-    let stray = loopdev::attach(
-        &image,
-        &AttachOptions {
-            tag: "admin-losetup".into(),
-            size_limit: SIZE as u64,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let guard = Detach(stray.device.clone());
+    let (stray, guard) = admin_losetup(&image);
     // The controller's partial fence (as for a holder no attachment entitles while B
     // keeps writing): only the stray is remapped.
     let stray_dev = stray.device.clone();
