@@ -54,10 +54,14 @@ fn check(r: &Report) {
     };
     // podgc acts on the stale Lease, so NotReady (the node lifecycle controller's) may
     // come before or after the quarantine; it is not in the chain.
+    // Quarantined and ForceDeleted come from two watch streams (Node, Pod) written in
+    // the same pass microseconds apart; their delivery order says nothing. That podgc
+    // writes the quarantine before the delete is checked by resourceVersion in
+    // podgc/tests/podgc.rs. Here each must follow the shutdown and precede the detach.
+    assert!(t(NodeDown) <= t(Quarantined) && t(Quarantined) <= t(AttachmentDeleted));
     let chain = [
         WritersAcked,
         NodeDown,
-        Quarantined,
         ForceDeleted,
         AttachmentDeleted,
         AttachedOnB,
