@@ -16,9 +16,19 @@ as_root() {
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 
 # Waits up to APT_LOCK_WAIT seconds (default 300) for another apt/dpkg.
+# Whether another package manager runs. fuser (psmisc) names the lock holder
+# exactly; before psmisc is installed, a process name check stands in.
+apt_busy() {
+  if have fuser; then
+    fuser /var/lib/dpkg/lock-frontend /var/lib/dpkg/lock /var/lib/apt/lists/lock >/dev/null 2>&1
+  else
+    pgrep -x 'apt|apt-get|aptitude|dpkg|unattended-upgr' >/dev/null 2>&1
+  fi
+}
+
 wait_for_apt() {
   local waited=0 limit="${APT_LOCK_WAIT:-300}"
-  while fuser /var/lib/dpkg/lock-frontend /var/lib/dpkg/lock /var/lib/apt/lists/lock >/dev/null 2>&1; do
+  while apt_busy; do
     if [ "$waited" -eq 0 ]; then say "another apt/dpkg process holds the package lock; waiting up to ${limit}s"; fi
     if [ "$waited" -ge "$limit" ]; then say "still locked after ${limit}s; giving up"; return 1; fi
     sleep 2; waited=$((waited + 2))

@@ -4,6 +4,12 @@
 # Needs root (loop devices, mounts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "$(id -u)" -ne 0 ]; then
+  # Without root the kernel tests (loop devices, mounts) could only skip, and a
+  # green run would prove little.
+  echo "test: needs root for loop devices and mounts: sudo bash scripts/test.sh" >&2
+  exit 1
+fi
 echo "test: checking the tools the tests need" >&2
 bash scripts/setup.sh
 # A one-off build gains nothing from incremental artefacts, and they were a

@@ -70,6 +70,8 @@ pub struct LeaderElection {
     pub lease_duration: Duration,
     pub renew_deadline: Duration,
     pub retry_period: Duration,
+    /// How long the election may get no answer before /healthz reports unhealthy.
+    pub unhealthy_after: Duration,
 }
 
 impl LeaderElection {
@@ -81,6 +83,7 @@ impl LeaderElection {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            unhealthy_after: fencecsi_cluster::ELECTION_UNHEALTHY_AFTER,
         }
     }
 

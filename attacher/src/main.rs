@@ -2,13 +2,11 @@
 //! the controller plugin).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
 use fencecsi_attacher::{parse_duration, Attacher, Backoff, Config, FencePolicy, LeaderElection};
-use fencecsi_cluster::cli::{LeaderElectionArgs, LogFormat};
-use fencecsi_cluster::Cluster;
+use fencecsi_cluster::cli::{KubeArgs, LeaderElectionArgs, LogFormat};
 
 /// fencecsi VolumeAttachment controller: attaches volumes with ControllerPublishVolume,
 /// detaches them with ControllerUnpublishVolume, and fences nodes that may still be
@@ -20,10 +18,8 @@ struct Args {
     #[arg(long, env = "CSI_ADDRESS", default_value = "unix:///csi/csi.sock")]
     csi_address: String,
 
-    /// Kubeconfig to use; without it, the in-cluster configuration or the default
-    /// kubeconfig ($KUBECONFIG, ~/.kube/config).
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    kube: KubeArgs,
 
     /// Worker tasks processing VolumeAttachments concurrently.
     #[arg(long, default_value_t = 10)]
@@ -34,7 +30,8 @@ struct Args {
     timeout: Duration,
 
     /// How often every VolumeAttachment is processed again.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long = "resync-interval", alias = "resync", default_value = "60s",
+          value_parser = parse_duration)]
     resync: Duration,
 
     /// When to send fence=true on detach: auto = the node may still be writing (gone,
@@ -66,8 +63,9 @@ struct Args {
     http_endpoint: String,
 
     /// On SIGTERM, how long in-flight CSI calls may take before the process exits.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    shutdown_grace: Duration,
+    #[arg(long = "drain-timeout", alias = "shutdown-grace", default_value = "30s",
+          value_parser = parse_duration)]
+    drain_timeout: Duration,
 
     /// Log format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text")]
@@ -90,7 +88,7 @@ fn config(args: &Args) -> Result<Config, String> {
         initial: args.retry_interval_start,
         max: args.retry_interval_max,
     };
-    cfg.shutdown_grace = args.shutdown_grace;
+    cfg.shutdown_grace = args.drain_timeout;
     if let Some(id) = &args.identity {
         cfg.identity = id.clone();
     }
@@ -114,6 +112,7 @@ fn config(args: &Args) -> Result<Config, String> {
         le.lease_duration = e.lease_duration;
         le.renew_deadline = e.renew_deadline;
         le.retry_period = e.retry_period;
+        le.unhealthy_after = e.unhealthy_after;
         cfg.leader_election = Some(le);
     }
     Ok(cfg)
@@ -130,14 +129,7 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let cluster = match &args.kubeconfig {
-        Some(path) => Cluster::from_kubeconfig(path).await,
-        None => fencecsi_cluster::kube::Client::try_default()
-            .await
-            .map(Cluster::kube)
-            .map_err(fencecsi_cluster::Error::from),
-    };
-    let cluster = match cluster {
+    let cluster = match args.kube.connect().await {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot reach the Kubernetes API");

@@ -1,12 +1,13 @@
 //! The run loop: find the plugin, (optionally) win the lease, then run a session — the
 //! watch, the resync, the workers — until shutdown or lost leadership.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::kube::runtime::reflector::store::Writer;
+use fencecsi_cluster::kube::runtime::reflector::{self, ObjectRef};
 use fencecsi_cluster::{
     well_known, Cluster, EventRecorder, LeaderElectionConfig, LeaderElector, LeaderHandle,
     WatchEvent, WatchParams,
@@ -102,7 +103,8 @@ async fn watch_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
         match ctx.vas.watch(&WatchParams::default()) {
             Ok(stream) => {
                 failures = 0;
-                consume_watch(&ctx, &queue, stream).await;
+                let mut cache = ctx.cache_writer.lock().await;
+                consume_watch(&ctx, &queue, &mut cache, stream).await;
                 tracing::warn!("the VolumeAttachment watch ended; watching again");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -119,18 +121,21 @@ async fn watch_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
 async fn consume_watch(
     ctx: &Ctx,
     queue: &WorkQueue,
+    cache: &mut Writer<VolumeAttachment>,
     mut stream: fencecsi_cluster::WatchStream<VolumeAttachment>,
 ) {
+    use fencecsi_cluster::kube::runtime::watcher::Event;
     while let Some(ev) = stream.next().await {
         match ev {
             WatchEvent::Listed(items) => {
-                let ours: HashMap<String, Arc<VolumeAttachment>> = items
-                    .into_iter()
-                    .filter(|va| ctx.is_ours(va))
-                    .map(|va| (va.metadata.name.clone().unwrap_or_default(), Arc::new(va)))
-                    .collect();
-                let names: Vec<String> = ours.keys().cloned().collect();
-                *ctx.cache.write().unwrap_or_else(|e| e.into_inner()) = ours;
+                // A (re-)list replaces the store at once, as the reflector expects.
+                cache.apply_watcher_event(&Event::Init);
+                let mut names = Vec::new();
+                for va in items.into_iter().filter(|va| ctx.is_ours(va)) {
+                    names.push(va.metadata.name.clone().unwrap_or_default());
+                    cache.apply_watcher_event(&Event::InitApply(va));
+                }
+                cache.apply_watcher_event(&Event::InitDone);
                 tracing::debug!(count = names.len(), "VolumeAttachments listed");
                 for n in names {
                     queue.add(&n);
@@ -141,22 +146,16 @@ async fn consume_watch(
                     continue;
                 }
                 let name = va.metadata.name.clone().unwrap_or_default();
-                let new = Arc::new(va);
-                let old = ctx
-                    .cache
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(name.clone(), new.clone());
-                if should_enqueue(old.as_deref(), &new, &ctx.finalizer) {
+                let old = ctx.cache.get(&ObjectRef::new(&name));
+                let enqueue = should_enqueue(old.as_deref(), &va, &ctx.finalizer);
+                cache.apply_watcher_event(&Event::Apply(va));
+                if enqueue {
                     queue.add(&name);
                 }
             }
             WatchEvent::Deleted(va) => {
                 let name = va.metadata.name.clone().unwrap_or_default();
-                ctx.cache
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&name);
+                cache.apply_watcher_event(&Event::Delete(va));
                 queue.forget(&name);
             }
         }
@@ -171,10 +170,9 @@ async fn resync_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
         tick.tick().await;
         let names: Vec<String> = ctx
             .cache
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .cloned()
+            .state()
+            .iter()
+            .filter_map(|va| va.metadata.name.clone())
             .collect();
         tracing::debug!(count = names.len(), "resync");
         for n in &names {
@@ -300,19 +298,19 @@ pub(crate) async fn run(
     let leadership = match &cfg.leader_election {
         Some(le) => {
             let lease = le.lease_name_for(&driver);
-            let lcfg = LeaderElectionConfig::new(&le.namespace, &lease, &cfg.identity).with_timing(
-                le.lease_duration,
-                le.renew_deadline,
-                le.retry_period,
-            );
+            let lcfg = LeaderElectionConfig::new(&le.namespace, &lease, &cfg.identity)
+                .with_timing(le.lease_duration, le.renew_deadline, le.retry_period)
+                .unhealthy_after(le.unhealthy_after);
             let elector = LeaderElector::new(&cluster, lcfg)?;
             tracing::info!(namespace = %le.namespace, lease = %lease, identity = %cfg.identity, "leader election on");
+            let le_check_period =
+                (le.unhealthy_after / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
             let handle = Arc::new(elector.spawn());
             {
                 let (h, status) = (Arc::downgrade(&handle), status.clone());
                 tokio::spawn(async move {
                     while let Some(h) = h.upgrade() {
-                        let failing = !h.healthy(fencecsi_cluster::ELECTION_UNHEALTHY_AFTER);
+                        let failing = !h.healthy();
                         drop(h);
                         status.send_if_modified(|s| {
                             std::mem::replace(&mut s.election_failing, failing) != failing
@@ -320,7 +318,8 @@ pub(crate) async fn run(
                         if failing {
                             tracing::error!("leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
                         }
-                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        // Re-checked often enough to notice a short test limit too.
+                        tokio::time::sleep(le_check_period).await;
                     }
                 });
             }
@@ -341,6 +340,7 @@ pub(crate) async fn run(
         Arc::new(move || l.is_leader())
     };
 
+    let (cache, cache_writer) = reflector::store();
     let ctx = Arc::new(Ctx {
         finalizer: well_known::attacher_finalizer(&driver),
         driver,
@@ -356,7 +356,8 @@ pub(crate) async fn run(
         pvs: cluster.api(None),
         nodes: cluster.api(None),
         csinodes: cluster.api(None),
-        cache: RwLock::new(HashMap::new()),
+        cache,
+        cache_writer: tokio::sync::Mutex::new(cache_writer),
         may_act,
         cfg: cfg.clone(),
     });

@@ -850,3 +850,50 @@ fn the_binary_explains_its_flags() {
         assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
+    require_root!();
+    let s = Setup::new().await;
+    // The API server forbids Leases in "locked" (say, RBAC for another namespace).
+    s.cluster
+        .deny::<fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease>("locked");
+    let replica = |id: &str, ns: &str| {
+        let mut le = LeaderElection::new(ns);
+        le.lease_duration = Duration::from_secs(2);
+        le.renew_deadline = Duration::from_millis(1500);
+        le.retry_period = Duration::from_millis(200);
+        le.unhealthy_after = Duration::from_secs(1);
+        let mut cfg = test_config(&s.socket());
+        cfg.identity = id.into();
+        cfg.leader_election = Some(le);
+        spawn(s.cluster.clone(), cfg)
+    };
+    let mut open = replica("open", "kube-system");
+    let locked = replica("locked", "locked");
+    // Control: the same set-up with a Lease it may touch leads and stays healthy.
+    assert!(
+        open.wait_active(T).await,
+        "the replica with a usable Lease leads"
+    );
+    let locked_addr = eventually(T, "the locked replica serves HTTP", || async {
+        locked.status().http_addr
+    })
+    .await;
+    let (code, body) = eventually(T, "/healthz of the locked replica turns 503", || async {
+        let r = http_get(locked_addr, "/healthz").await;
+        (r.0 == 503).then_some(r)
+    })
+    .await;
+    assert_eq!(code, 503);
+    assert!(body.contains("leader election"), "{body}");
+    assert!(
+        !locked.is_active(),
+        "a replica without its Lease never acts"
+    );
+    let open_addr = open.status().http_addr.unwrap();
+    assert_eq!(http_get(open_addr, "/healthz").await, (200, "ok\n".into()));
+    locked.shutdown().await.unwrap();
+    open.shutdown().await.unwrap();
+    s.finish().await;
+}

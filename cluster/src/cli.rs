@@ -1,8 +1,9 @@
 //! What every fencecsi binary spells the same way: durations, the log
-//! format and its set-up, the leader-election flags (with the lease in the
-//! pod's own namespace by default), and shutdown signals. One module, so
+//! format and its set-up, the API-server connection, the leader-election flags
+//! (with the lease in the pod's own namespace by default), and shutdown signals. One module, so
 //! `--help` reads alike across the driver, the attacher and podgc.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -85,6 +86,25 @@ fn own_namespace_from(file: &std::path::Path) -> String {
         .unwrap_or_else(|| FALLBACK_NAMESPACE.to_string())
 }
 
+/// The API-server connection flag, the same in every binary that talks to one.
+#[derive(Debug, Clone, Default, Args)]
+pub struct KubeArgs {
+    /// Kubeconfig to use; default: the in-cluster configuration, else $KUBECONFIG or
+    /// ~/.kube/config.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+impl KubeArgs {
+    /// A client for the API server these flags name.
+    pub async fn connect(&self) -> crate::Result<crate::Cluster> {
+        match &self.kubeconfig {
+            Some(path) => crate::Cluster::from_kubeconfig(path).await,
+            None => Ok(crate::Cluster::kube(kube::Client::try_default().await?)),
+        }
+    }
+}
+
 /// The leader-election flags, the same in every binary that elects.
 #[derive(Debug, Clone, Args)]
 pub struct LeaderElectionArgs {
@@ -119,6 +139,11 @@ pub struct LeaderElectionArgs {
     #[arg(long = "leader-election-retry-period", alias = "leader-elect-retry-period",
           default_value = "2s", value_parser = parse_duration)]
     pub retry_period: Duration,
+    /// How long the election may get no answer from the API server (a Lease it is
+    /// forbidden to touch, an unreachable server) before /healthz reports unhealthy.
+    #[arg(long = "leader-election-unhealthy-after", default_value = "2m",
+          value_parser = parse_duration)]
+    pub unhealthy_after: Duration,
 }
 
 impl LeaderElectionArgs {
@@ -136,6 +161,7 @@ impl LeaderElectionArgs {
                 identity,
             )
             .with_timing(self.lease_duration, self.renew_deadline, self.retry_period)
+            .unhealthy_after(self.unhealthy_after)
         })
     }
 }

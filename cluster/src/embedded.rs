@@ -92,6 +92,7 @@ impl Embedded {
                 }),
                 tx,
                 history_cap: self.config.history,
+                denied: RwLock::new(BTreeSet::new()),
             }) as Arc<dyn Any + Send + Sync>
         });
         entry
@@ -136,6 +137,9 @@ pub(crate) struct KindStore<K> {
     state: RwLock<State<K>>,
     tx: broadcast::Sender<Arc<Change<K>>>,
     history_cap: usize,
+    /// Namespaces where reads and writes of single objects answer Forbidden, as an
+    /// API server does for a missing RBAC grant (tests: see `Cluster::deny`).
+    denied: RwLock<BTreeSet<String>>,
 }
 
 /// A filter for list and watch: namespace, selectors, and (list only) a closure.
@@ -257,7 +261,25 @@ impl<K: Object> KindStore<K> {
         ))
     }
 
+    pub(crate) fn deny(&self, ns: &str) {
+        self.denied
+            .write()
+            .expect("embedded deny lock")
+            .insert(ns.to_string());
+    }
+
+    fn guard(&self, ns: &str) -> Result<()> {
+        if self.denied.read().expect("embedded deny lock").contains(ns) {
+            return Err(Error::Forbidden(format!(
+                "{} in namespace {ns:?}: this caller may not touch it",
+                K::KIND
+            )));
+        }
+        Ok(())
+    }
+
     pub(crate) fn get(&self, ns: &str, name: &str) -> Result<K> {
+        self.guard(ns)?;
         let st = self.read();
         Self::lookup(&st, ns, name)
             .map(|o| (*o).clone())
@@ -431,6 +453,7 @@ impl<K: Object> KindStore<K> {
     }
 
     pub(crate) fn create(&self, ns: &str, obj: &K) -> Result<K> {
+        self.guard(ns)?;
         let mut obj = obj.clone();
         let m = obj.metadata_mut();
         if m.name.as_deref().unwrap_or("").is_empty() {
@@ -479,6 +502,7 @@ impl<K: Object> KindStore<K> {
     }
 
     pub(crate) fn replace(&self, ns: &str, obj: &K) -> Result<K> {
+        self.guard(ns)?;
         let name = obj.metadata().name.clone().unwrap_or_default();
         let mut st = self.write();
         let old = Self::lookup(&st, ns, &name).ok_or_else(|| Self::not_found(ns, &name))?;
@@ -489,6 +513,7 @@ impl<K: Object> KindStore<K> {
     /// update: a `metadata.resourceVersion` in the patch is a precondition, status
     /// changes are ignored, as the API server does on the main resource.
     pub(crate) fn patch_merge(&self, ns: &str, name: &str, patch: &serde_json::Value) -> Result<K> {
+        self.guard(ns)?;
         let mut st = self.write();
         let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
         let mut doc = serde_json::to_value(&*old)
@@ -576,6 +601,7 @@ impl<K: Object> KindStore<K> {
     }
 
     pub(crate) fn patch_metadata(&self, ns: &str, name: &str, patch: &MetadataPatch) -> Result<K> {
+        self.guard(ns)?;
         let mut st = self.write();
         let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
         if let Some(rv) = &patch.resource_version {

@@ -3,6 +3,11 @@
 //! events.k8s.io/v1 is what client-go's and kube-runtime's current recorders write;
 //! `kubectl describe` and `kubectl events` show it. Events are best-effort: callers should
 //! log a failure and carry on, never fail a reconcile because an event was not written.
+//!
+//! On a real API server this is kube-runtime's recorder: a repeat of the same event about
+//! the same object within its cache window becomes one Event with a growing `series`
+//! (a merge patch), not a new object each time. The embedded cluster creates one Event
+//! per call, which is what its tests count.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -47,12 +52,23 @@ pub fn object_ref<K: Object>(obj: &K) -> ObjectReference {
 }
 
 /// Writes events on behalf of one controller instance.
-#[derive(Debug)]
 pub struct EventRecorder {
     cluster: Cluster,
     controller: String,
     instance: String,
     seq: AtomicU64,
+    /// Set on a real cluster.
+    kube: Option<kube::runtime::events::Recorder>,
+}
+
+impl std::fmt::Debug for EventRecorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventRecorder")
+            .field("cluster", &self.cluster)
+            .field("controller", &self.controller)
+            .field("instance", &self.instance)
+            .finish()
+    }
 }
 
 /// API server limits on events.k8s.io/v1 fields.
@@ -74,11 +90,22 @@ impl EventRecorder {
     /// `reporting_controller` must be a qualified name such as `fencecsi.io/podgc`;
     /// `reporting_instance` identifies the process (e.g. pod name).
     pub fn new(cluster: &Cluster, reporting_controller: &str, reporting_instance: &str) -> Self {
+        let instance = truncate(reporting_instance, 128);
+        let kube = cluster.kube_client().map(|client| {
+            kube::runtime::events::Recorder::new(
+                client,
+                kube::runtime::events::Reporter {
+                    controller: reporting_controller.to_string(),
+                    instance: Some(instance.clone()),
+                },
+            )
+        });
         EventRecorder {
             cluster: cluster.clone(),
             controller: reporting_controller.to_string(),
-            instance: truncate(reporting_instance, 128),
+            instance,
             seq: AtomicU64::new(0),
+            kube,
         }
     }
 
@@ -90,7 +117,27 @@ impl EventRecorder {
         type_: EventType,
         reason: &str,
         message: &str,
-    ) -> Result<Event> {
+    ) -> Result<()> {
+        let reason = truncate(reason, REASON_MAX);
+        if let Some(rec) = &self.kube {
+            use kube::runtime::events as rt;
+            let ev = rt::Event {
+                type_: match type_ {
+                    EventType::Normal => rt::EventType::Normal,
+                    EventType::Warning => rt::EventType::Warning,
+                },
+                action: reason.clone(),
+                reason,
+                note: Some(truncate(message, NOTE_MAX)),
+                secondary: None,
+            };
+            let mut regarding = regarding.clone();
+            // Cluster-scoped objects' events go to "default", where kubectl looks.
+            if regarding.namespace.as_deref().is_none_or(str::is_empty) {
+                regarding.namespace = Some("default".into());
+            }
+            return Ok(rec.publish(&ev, &regarding).await?);
+        }
         let namespace = regarding
             .namespace
             .clone()
@@ -103,7 +150,6 @@ impl EventRecorder {
         let suffix = format!(".{:x}{:x}", now.as_nanosecond(), seq);
         let base = regarding.name.clone().unwrap_or_else(|| "event".into());
         let base = truncate(&base, 253 - suffix.len());
-        let reason = truncate(reason, REASON_MAX);
         let event = Event {
             metadata: ObjectMeta {
                 name: Some(format!("{}{suffix}", base.trim_end_matches(['.', '-']))),
@@ -126,5 +172,6 @@ impl EventRecorder {
             .api::<Event>(Some(&namespace))
             .create(&event)
             .await
+            .map(drop)
     }
 }

@@ -1,15 +1,13 @@
-//! The real-cluster backend: thin calls through kube-rs, plus the two things kube's `Api`
-//! leaves to the caller: a metadata patch that is safe against concurrent finalizer edits,
-//! and a watch that re-lists and reconnects by itself.
-
-use std::time::{Duration, Instant};
+//! The real-cluster backend: thin calls through kube-rs, a metadata patch that is safe
+//! against concurrent finalizer edits (kube's `Api` leaves that to the caller), and the
+//! watch, which is kube-runtime's watcher.
 
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{json, Map, Value};
 
-use crate::error::{from_status, Error, Result};
+use crate::error::{Error, Result};
 use crate::object::{HasStatus, Object};
 use crate::params::{
     DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, WatchEvent, WatchParams,
@@ -205,132 +203,54 @@ pub(crate) async fn delete<K: Object>(
     })
 }
 
-enum Phase<K> {
-    List,
-    Watch(String),
-    Streaming(
-        String,
-        BoxStream<'static, kube::Result<kube::core::WatchEvent<K>>>,
-        Instant,
-    ),
-}
-
-struct KubeWatch<K: Object> {
-    api: kube::Api<K>,
-    params: WatchParams,
-    phase: Phase<K>,
-    backoff: Duration,
-}
-
-const MIN_BACKOFF: Duration = Duration::from_millis(500);
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
-
-impl<K: Object> KubeWatch<K> {
-    async fn pause(&mut self, what: &str, err: &(dyn std::fmt::Display + Sync)) {
-        tracing::warn!(kind = K::KIND, error = %err, retry_in = ?self.backoff, "watch {what} failed");
-        tokio::time::sleep(self.backoff).await;
-        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
-    }
-
-    async fn next_event(&mut self) -> WatchEvent<K> {
-        loop {
-            match std::mem::replace(&mut self.phase, Phase::List) {
-                Phase::List => match list(&self.api, &self.params.list_params(), &|_| {
-                    !self.params.changes_only
-                })
-                .await
-                {
-                    Ok((items, rv)) => {
-                        self.phase = Phase::Watch(rv);
-                        return WatchEvent::Listed(items);
-                    }
-                    Err(e) => self.pause("list", &e).await,
-                },
-                Phase::Watch(rv) => {
-                    let mut wp = kube::api::WatchParams::default().timeout(WATCH_TIMEOUT_SECS);
-                    wp.label_selector = self.params.label_selector.clone();
-                    wp.field_selector = self.params.field_selector.clone();
-                    match self.api.watch(&wp, &rv).await {
-                        Ok(s) => self.phase = Phase::Streaming(rv, s.boxed(), Instant::now()),
-                        Err(e) if is_gone(&e) => self.phase = Phase::List,
-                        Err(e) => {
-                            self.phase = Phase::Watch(rv);
-                            self.pause("start", &e).await;
-                        }
-                    }
-                }
-                Phase::Streaming(rv, mut s, started) => {
-                    let item = s.next().await;
-                    let rv_of = |o: &K| {
-                        o.metadata()
-                            .resource_version
-                            .clone()
-                            .unwrap_or_else(|| rv.clone())
-                    };
-                    use kube::core::WatchEvent as W;
-                    match item {
-                        Some(Ok(W::Added(o))) => {
-                            self.backoff = MIN_BACKOFF;
-                            self.phase = Phase::Streaming(rv_of(&o), s, started);
-                            return WatchEvent::Added(o);
-                        }
-                        Some(Ok(W::Modified(o))) => {
-                            self.backoff = MIN_BACKOFF;
-                            self.phase = Phase::Streaming(rv_of(&o), s, started);
-                            return WatchEvent::Modified(o);
-                        }
-                        Some(Ok(W::Deleted(o))) => {
-                            self.backoff = MIN_BACKOFF;
-                            self.phase = Phase::Streaming(rv_of(&o), s, started);
-                            return WatchEvent::Deleted(o);
-                        }
-                        Some(Ok(W::Bookmark(b))) => {
-                            self.phase = Phase::Streaming(b.metadata.resource_version, s, started);
-                        }
-                        Some(Ok(W::Error(status))) if status.code == 410 => {
-                            self.phase = Phase::List
-                        }
-                        Some(Ok(W::Error(status))) => {
-                            self.phase = Phase::Watch(rv);
-                            self.pause("stream", &from_status(&status)).await;
-                        }
-                        Some(Err(e)) => {
-                            self.phase = Phase::Watch(rv);
-                            self.pause("stream", &e).await;
-                        }
-                        // The server ended the watch (its timeout): resume where we were. A
-                        // watch that keeps closing at once (a proxy cutting it) backs off
-                        // instead of spinning.
-                        None => {
-                            self.phase = Phase::Watch(rv);
-                            if started.elapsed() < Duration::from_secs(1) {
-                                self.pause("stream (closed at once)", &"closed").await;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
+/// The seam's watch on a real API server: kube-runtime's watcher, which lists in
+/// pages, resumes from the last resourceVersion it saw (bookmarks included), re-lists
+/// when that is too old (410), and backs off on errors. This turns its events into the
+/// seam's: one `Listed` per (re-)list, then changes.
+///
+/// Two differences from the embedded cluster, both allowed by the seam: an add and an
+/// update both arrive as `Modified` (kube-runtime does not tell them apart, and no
+/// caller needs it), and a start `after` a resourceVersion re-lists instead of
+/// replaying (kube-runtime always starts with a list).
 pub(crate) fn watch<K: Object>(
     api: kube::Api<K>,
     params: &WatchParams,
 ) -> BoxStream<'static, WatchEvent<K>> {
-    let phase = match &params.resource_version {
-        Some(rv) => Phase::Watch(rv.clone()),
-        None => Phase::List,
-    };
-    let w = KubeWatch {
-        api,
-        params: params.clone(),
-        phase,
-        backoff: MIN_BACKOFF,
-    };
-    futures::stream::unfold(w, |mut w| async move {
-        let ev = w.next_event().await;
-        Some((ev, w))
+    use kube::runtime::watcher::{self, Event};
+    use kube::runtime::WatchStreamExt;
+    let mut cfg = watcher::Config::default()
+        .page_size(PAGE)
+        .timeout(WATCH_TIMEOUT_SECS);
+    if let Some(l) = &params.label_selector {
+        cfg = cfg.labels(l);
+    }
+    if let Some(f) = &params.field_selector {
+        cfg = cfg.fields(f);
+    }
+    // A consumer that keeps nothing gets empty lists: the objects are dropped page by
+    // page as they arrive, so a list of every pod is never held.
+    let keep = !params.changes_only;
+    let inner = watcher::watcher(api, cfg).default_backoff().boxed();
+    futures::stream::unfold((inner, Vec::new()), move |(mut inner, mut listed)| async move {
+        loop {
+            match inner.next().await? {
+                Ok(Event::Init) => listed.clear(),
+                Ok(Event::InitApply(o)) => {
+                    if keep {
+                        listed.push(o)
+                    }
+                }
+                Ok(Event::InitDone) => {
+                    let items = std::mem::take(&mut listed);
+                    return Some((WatchEvent::Listed(items), (inner, listed)));
+                }
+                Ok(Event::Apply(o)) => return Some((WatchEvent::Modified(o), (inner, listed))),
+                Ok(Event::Delete(o)) => return Some((WatchEvent::Deleted(o), (inner, listed))),
+                Err(e) => {
+                    tracing::warn!(kind = K::KIND, error = %e, "watch failed; retrying with backoff")
+                }
+            }
+        }
     })
     .boxed()
 }

@@ -41,6 +41,9 @@ pub struct LeaderElectionConfig {
     pub renew_deadline: Duration,
     /// Interval between attempts to acquire or renew.
     pub retry_period: Duration,
+    /// How long the election may go without an answer from the API server before
+    /// [`LeaderHandle::healthy`] turns false.
+    pub unhealthy_after: Duration,
 }
 
 impl LeaderElectionConfig {
@@ -52,6 +55,7 @@ impl LeaderElectionConfig {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            unhealthy_after: ELECTION_UNHEALTHY_AFTER,
         }
     }
 
@@ -64,6 +68,11 @@ impl LeaderElectionConfig {
         self.lease_duration = lease_duration;
         self.renew_deadline = renew_deadline;
         self.retry_period = retry_period;
+        self
+    }
+
+    pub fn unhealthy_after(mut self, limit: Duration) -> Self {
+        self.unhealthy_after = limit;
         self
     }
 
@@ -330,11 +339,11 @@ impl LeaderHandle {
     }
 
     /// Whether the election can do its job: its rounds got an answer from the API
-    /// server within `limit`. A candidate forbidden from its Lease (RBAC, wrong
+    /// server within the config's `unhealthy_after`. A candidate forbidden from its Lease (RBAC, wrong
     /// namespace) or cut off from the API server turns unhealthy, so that a
     /// liveness probe restarts it instead of it waiting forever.
-    pub fn healthy(&self, limit: Duration) -> bool {
-        self.elector.failing_for() < limit
+    pub fn healthy(&self) -> bool {
+        self.elector.failing_for() < self.elector.cfg.unhealthy_after
     }
 
     pub fn elector(&self) -> &LeaderElector {

@@ -170,6 +170,26 @@ impl Cluster {
         Api { backend, namespace }
     }
 
+    /// The kube-rs client behind a real cluster (`None` for the embedded one).
+    pub(crate) fn kube_client(&self) -> Option<kube::Client> {
+        match &self.inner {
+            Inner::Kube(c) => Some(c.clone()),
+            #[cfg(feature = "embedded")]
+            Inner::Embedded(_) => None,
+        }
+    }
+
+    /// Embedded only: from now on, single-object reads and writes of kind `K` in
+    /// `namespace` answer Forbidden, as a real API server does for a missing RBAC
+    /// grant (lists and watches still answer). For tests of what a process does when
+    /// it may not touch what it needs. Does nothing on a real cluster.
+    #[cfg(feature = "embedded")]
+    pub fn deny<K: Object>(&self, namespace: &str) {
+        if let Inner::Embedded(e) = &self.inner {
+            e.kind::<K>().deny(namespace);
+        }
+    }
+
     /// Embedded only: how many objects of kind `K` are stored (all namespaces). `None`
     /// on a real cluster. For tests and benchmarks.
     #[cfg(feature = "embedded")]

@@ -36,7 +36,8 @@ pub struct WatchParams {
     pub field_selector: Option<String>,
     /// `None`: the stream starts with a [`WatchEvent::Listed`] of the current state, then
     /// changes. `Some(rv)`: it starts with the changes after `rv` (from a list or an
-    /// earlier event); if that point is too old to replay, it re-lists instead.
+    /// earlier event); if that point is too old to replay, it re-lists instead. The
+    /// real-cluster backend always re-lists (kube-runtime's watcher starts with a list).
     pub resource_version: Option<String>,
     /// The `Listed` events carry no objects, only the point the changes start from: for a
     /// consumer that keeps nothing of the kind and reacts to changes (a full list of every
@@ -61,12 +62,6 @@ impl WatchParams {
         self.resource_version = Some(resource_version.to_string());
         self
     }
-    pub(crate) fn list_params(&self) -> ListParams {
-        ListParams {
-            label_selector: self.label_selector.clone(),
-            field_selector: self.field_selector.clone(),
-        }
-    }
 }
 
 /// One item of a watch stream.
@@ -79,7 +74,10 @@ impl WatchParams {
 #[derive(Debug, Clone, PartialEq)]
 pub enum WatchEvent<K> {
     Listed(Vec<K>),
+    /// The object appeared (embedded cluster only; see `Modified`).
     Added(K),
+    /// The object's new state. On a real cluster also an object that appeared:
+    /// kube-runtime's watcher reports both alike, so consumers treat the two the same.
     Modified(K),
     Deleted(K),
 }

@@ -1,7 +1,8 @@
 //! The kube backend's own logic, checked against a scripted fake API server (a tower
 //! service behind `kube::Client::new`): request shapes, delete outcome classification,
 //! conflict-retrying metadata patches, paged lists, and the watch loop's re-list on
-//! `410 Gone` and resume after the server closes a watch.
+//! `410 Gone` and resume after the server closes a watch (kube-runtime's watcher, through
+//! the seam's adapter).
 //!
 //! This does not replace the contract run against a real API server; it covers the
 //! plumbing that the embedded backend cannot exercise.
@@ -185,8 +186,9 @@ async fn watch_relists_on_gone_and_resumes_after_close() {
         panic!("first is Listed")
     };
     assert_eq!(names(&items), ["a"]);
-    let WatchEvent::Added(b) = next(&mut w).await else {
-        panic!("then Added")
+    // kube-runtime's watcher reports an add as an update (the seam allows it).
+    let WatchEvent::Modified(b) = next(&mut w).await else {
+        panic!("then Modified (the add)")
     };
     assert_eq!(b.metadata.name.as_deref(), Some("b"));
     let WatchEvent::Listed(items) = next(&mut w).await else {
@@ -217,6 +219,93 @@ async fn watch_relists_on_gone_and_resumes_after_close() {
         "{}",
         log[1].uri
     );
+}
+
+#[tokio::test]
+async fn a_changes_only_watch_keeps_nothing_from_its_list() {
+    let (cluster, _log) = fake(|req, n| match n {
+        0 => {
+            assert!(req.uri.contains("limit=500"), "{}", req.uri);
+            (200, list(vec![va("a", "5"), va("b", "6")], "10", None))
+        }
+        1 => {
+            assert!(req.uri.contains("resourceVersion=10"), "{}", req.uri);
+            (200, watch_lines(&[("ADDED", va("c", "11"))]))
+        }
+        // Later resumes: an empty, open-then-closed watch.
+        _ => (200, String::new()),
+    });
+    let vas = cluster.api::<VolumeAttachment>(None);
+    let mut w = vas.watch(&WatchParams::default().changes_only()).unwrap();
+    let WatchEvent::Listed(items) = next(&mut w).await else {
+        panic!("first is Listed")
+    };
+    assert!(items.is_empty(), "nothing kept: {:?}", names(&items));
+    // Control: the same stream does deliver what changes after the list.
+    let WatchEvent::Modified(c) = next(&mut w).await else {
+        panic!("then the change")
+    };
+    assert_eq!(c.metadata.name.as_deref(), Some("c"));
+}
+
+#[tokio::test]
+async fn a_repeated_event_becomes_a_series() {
+    // The API server echoes what it was sent, as it does for a create or a patch.
+    let (cluster, log) = fake(|req, _| {
+        (
+            if req.method == "POST" { 201 } else { 200 },
+            req.body.clone(),
+        )
+    });
+    let rec = fencecsi_cluster::EventRecorder::new(&cluster, "fencecsi.io/test", "test-0");
+    let va = VolumeAttachment {
+        metadata: fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("va-1".into()),
+            uid: Some("u-1".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let r = fencecsi_cluster::object_ref(&va);
+    for _ in 0..2 {
+        rec.record(
+            &r,
+            fencecsi_cluster::EventType::Warning,
+            "FenceFailed",
+            "no fence",
+        )
+        .await
+        .unwrap();
+    }
+    // Control: another reason is another Event.
+    rec.record(&r, fencecsi_cluster::EventType::Normal, "Fenced", "fenced")
+        .await
+        .unwrap();
+    let log = log.lock().unwrap().clone();
+    let calls: Vec<(&str, bool)> = log
+        .iter()
+        .map(|s| {
+            (
+                s.method.as_str(),
+                s.uri
+                    .starts_with("/apis/events.k8s.io/v1/namespaces/default/events"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        [("POST", true), ("PATCH", true), ("POST", true)],
+        "{log:#?}"
+    );
+    let first: Value = serde_json::from_str(&log[0].body).unwrap();
+    let patch: Value = serde_json::from_str(&log[1].body).unwrap();
+    assert_eq!(first["reason"], "FenceFailed");
+    assert_eq!(first["reportingController"], "fencecsi.io/test");
+    assert_eq!(first["regarding"]["uid"], "u-1");
+    assert_eq!(patch["series"]["count"], 2, "{patch}");
+    assert!(log[1]
+        .uri
+        .contains(first["metadata"]["name"].as_str().unwrap()));
 }
 
 #[tokio::test]

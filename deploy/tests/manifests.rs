@@ -61,8 +61,9 @@ use Scope::{Cluster, Ns};
 /// get; list/list_filtered → list; watch → list + watch; create → create; replace → update;
 /// replace_status → update on <resource>/status; patch_metadata → get + patch; patch_merge →
 /// patch; delete →
-/// delete). LeaderElector: get, create, replace on a Lease in its namespace. EventRecorder:
-/// create of an events.k8s.io/v1 Event in the regarded object's namespace.
+/// delete). LeaderElector: get, create, replace on a Lease in its namespace. EventRecorder
+/// (kube-runtime's recorder on a real cluster): create of an events.k8s.io/v1 Event in the
+/// regarded object's namespace, and a merge patch when a repeat extends its series.
 ///
 /// The sidecars' rows are what they need with the flags controller.yaml gives them, from
 /// their documented RBAC (client-go's LeaseLock uses get/create/update, its event recorder
@@ -75,7 +76,7 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("attacher", Cluster, "", "persistentvolumes", &["get", "list", "patch"]),
     ("attacher", Cluster, "", "nodes", &["get"]),
     ("attacher", Cluster, "storage.k8s.io", "csinodes", &["get"]),
-    ("attacher", Cluster, "events.k8s.io", "events", &["create"]),
+    ("attacher", Cluster, "events.k8s.io", "events", &["create", "patch"]),
     ("attacher", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     // fencecsi-podgc — podgc/src/controller.rs, volumes.rs
     ("podgc", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
@@ -86,7 +87,7 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Cluster, "", "persistentvolumes", &["get"]),
     ("podgc", Cluster, "storage.k8s.io", "volumeattachments", &["list", "watch", "delete"]),
     ("podgc", Cluster, "storage.k8s.io", "csidrivers", &["list", "watch"]),
-    ("podgc", Cluster, "events.k8s.io", "events", &["create"]),
+    ("podgc", Cluster, "events.k8s.io", "events", &["create", "patch"]),
     ("podgc", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["get", "list", "watch"]),
     // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
@@ -2169,7 +2170,7 @@ fn shutdown_lets_in_flight_calls_finish() {
 
     let attacher = container(&pod, "fencecsi-attacher");
     let attacher_sleep = pre_stop_sleep(attacher).expect("fencecsi-attacher preStop sleep") as f64;
-    let drain = seconds(&flag(attacher, "shutdown-grace").expect("explicit --shutdown-grace"));
+    let drain = seconds(&flag(attacher, "drain-timeout").expect("explicit --drain-timeout"));
     assert!(
         driver_sleep > attacher_sleep + drain,
         "the plugin ({driver_sleep}s preStop) must still serve while the attacher drains ({attacher_sleep}s + {drain}s)"

@@ -29,18 +29,18 @@ struct Cli {
     #[arg(long, default_value_t = 20)]
     min_records: u64,
     /// Node lifecycle grace (node-monitor-grace-period) in seconds (0.1 to 3600).
-    #[arg(long, default_value_t = 2.0, value_parser = seconds)]
+    #[arg(long, default_value_t = 2.0, value_parser = seconds, conflicts_with = "production")]
     monitor_grace: f64,
     /// podgc's shutdown grace in seconds (0.1 to 3600).
-    #[arg(long, default_value_t = 1.0, value_parser = seconds)]
+    #[arg(long, default_value_t = 1.0, value_parser = seconds, conflicts_with = "production")]
     podgc_grace: f64,
     /// Also run a pod whose PV's driver has no safe-detach annotation (it must stay).
     #[arg(long)]
     unsafe_pod: bool,
     /// Production timing instead of the short one: kubelet lease renewal 10 s, node
     /// monitor grace 40 s, NotReady toleration 300 s, attach-detach verification 60 s,
-    /// podgc's defaults (lease grace 15 s, shutdown grace 30 s). Overrides
-    /// --monitor-grace and --podgc-grace. A run takes about two minutes.
+    /// podgc's defaults (lease grace 15 s, shutdown grace 30 s). Not with
+    /// --monitor-grace or --podgc-grace. A run takes about two minutes.
     #[arg(long)]
     production: bool,
 }
@@ -76,6 +76,21 @@ fn main() {
     opts.unsafe_pod = cli.unsafe_pod;
     if cli.production {
         opts = opts.production();
+    }
+    // A step waits out one grace at a time; a timeout no longer than a grace can
+    // never succeed, so it is refused before anything starts.
+    let longest = opts.node_monitor_grace.max(opts.podgc_shutdown_grace);
+    if opts.step_timeout <= longest {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!(
+                    "--step-timeout {} s is not longer than the {:?} grace a step waits out",
+                    cli.step_timeout, longest
+                ),
+            )
+            .exit();
     }
     opts.progress = if cli.json {
         Progress::stderr()

@@ -182,9 +182,11 @@ pub struct Config {
     pub default_fs_type: String,
 
     /// Attach loop devices with direct I/O to the image. Off by default:
-    /// measured on this project's machines, a buffered loop device does
-    /// random 4 KiB writes 2-3x faster, and durability is the same (a flush
-    /// on the loop device fsyncs the image). The fence holds in both modes.
+    /// measured on this project's machines (BENCHMARKS.md, loop I/O matrix),
+    /// a buffered loop device does small random writes faster and large
+    /// sequential ones slower; durability is the same (a flush on the loop
+    /// device fsyncs the image). A volume can choose for itself with the
+    /// mutable parameter directIO. The fence holds in both modes.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub direct_io: bool,
 
@@ -219,9 +221,9 @@ pub struct Config {
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
 
-    /// Kubeconfig for --report-node-clean (default: in-cluster config, then ~/.kube/config).
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<std::path::PathBuf>,
+    /// The API server for --report-node-clean.
+    #[command(flatten)]
+    pub kube: fencecsi_cluster::cli::KubeArgs,
 
     /// Node-local state: the identity of the state dir this node last saw (node recovery
     /// refuses to act on another one). Must survive plugin restarts and must not lie in
@@ -333,7 +335,7 @@ impl Config {
             recover_interval: std::time::Duration::ZERO,
             report_node_clean: false,
             node_name: None,
-            kubeconfig: None,
+            kube: Default::default(),
             node_state_dir: None,
             state_dir_must_be_mount: false,
             http_endpoint: None,

@@ -39,3 +39,103 @@ pub fn hit(name: &str) {
 pub fn is_armed(name: &str) -> bool {
     armed().iter().any(|p| p == name)
 }
+
+/// Pause points for race tests: `pause(name, key)` blocks the calling thread
+/// while a test holds a [`Paused`] armed for the same name and key (in this
+/// process: the test serves the plugin in-process). The key (say, a staging
+/// path) keeps a test from pausing another test's call. Nothing armed (as in
+/// production, where nothing arms one), `pause` is one relaxed load.
+mod pausing {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::{Duration, Instant};
+
+    static ARMED: AtomicUsize = AtomicUsize::new(0);
+    static POINTS: Mutex<Vec<Arc<Point>>> = Mutex::new(Vec::new());
+
+    struct Point {
+        name: String,
+        key: String,
+        /// (reached, released)
+        state: Mutex<(bool, bool)>,
+        cv: Condvar,
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn pause(name: &str, key: &str) {
+        if ARMED.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let point = lock(&POINTS)
+            .iter()
+            .find(|p| p.name == name && p.key == key)
+            .cloned();
+        let Some(p) = point else { return };
+        let mut s = lock(&p.state);
+        if s.0 {
+            return; // pauses the first caller only
+        }
+        s.0 = true;
+        p.cv.notify_all();
+        eprintln!("fencecsi-driver: pause point {name} reached ({key})");
+        while !s.1 {
+            s = p.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// An armed pause point; released (and disarmed) when dropped, so a
+    /// failing test never leaves a call blocked.
+    pub struct Paused(Arc<Point>);
+
+    pub fn arm(name: &str, key: &str) -> Paused {
+        let p = Arc::new(Point {
+            name: name.into(),
+            key: key.into(),
+            state: Mutex::new((false, false)),
+            cv: Condvar::new(),
+        });
+        lock(&POINTS).push(p.clone());
+        ARMED.fetch_add(1, Ordering::Relaxed);
+        Paused(p)
+    }
+
+    impl Paused {
+        /// Blocks until a call has reached the point (true) or `timeout` passed.
+        pub fn wait_reached(&self, timeout: Duration) -> bool {
+            let deadline = Instant::now() + timeout;
+            let mut s = lock(&self.0.state);
+            while !s.0 {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return false;
+                }
+                s = self
+                    .0
+                    .cv
+                    .wait_timeout(s, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            true
+        }
+
+        /// Lets the paused call (or a later one) go on.
+        pub fn release(&self) {
+            lock(&self.0.state).1 = true;
+            self.0.cv.notify_all();
+        }
+    }
+
+    impl Drop for Paused {
+        fn drop(&mut self) {
+            self.release();
+            lock(&POINTS).retain(|p| !Arc::ptr_eq(p, &self.0));
+            ARMED.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+pub use pausing::{arm as arm_pause, pause, Paused};

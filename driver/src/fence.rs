@@ -321,6 +321,7 @@ fn probe_once(work: &Path, direct: bool) -> Result<(), String> {
             direct_io: direct,
             tag,
             size_limit: DATA,
+            logical_block_size: 0,
         },
     )
     .map_err(|e| format!("attaching a probe loop device: {e}"))?;

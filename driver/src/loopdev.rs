@@ -83,6 +83,7 @@ mod ioc {
     nix::ioctl_read_bad!(loop_get_status64, 0x4C05, LoopInfo64);
     nix::ioctl_none_bad!(loop_set_capacity, 0x4C07);
     nix::ioctl_write_int_bad!(loop_set_direct_io, 0x4C08);
+    nix::ioctl_write_int_bad!(loop_set_block_size, 0x4C09);
     nix::ioctl_write_ptr_bad!(loop_configure, 0x4C0A, LoopConfig);
     nix::ioctl_none_bad!(loop_ctl_get_free, 0x4C82);
     // BLKGETSIZE64 = _IOR(0x12, 114, size_t); size_t is u64 on 64-bit Linux.
@@ -170,6 +171,11 @@ pub struct AttachOptions {
     /// lo_sizelimit: the device shows only `[0, size_limit)` of the file
     /// (0: the whole file). Volumes use it to keep their fence trailer out.
     pub size_limit: u64,
+    /// The device's logical block size (LOOP_CONFIGURE's `block_size`;
+    /// 0: the kernel's default, 512). The driver uses the default: the loop
+    /// I/O benchmark measured no gain from 4096 (BENCHMARKS.md), and a
+    /// filesystem made on one size may not mount on another.
+    pub logical_block_size: u32,
 }
 
 fn device_path(number: u32) -> PathBuf {
@@ -279,14 +285,15 @@ fn configure(
     flags: u32,
     tag: &str,
     size_limit: u64,
+    block_size: u32,
 ) -> Result<(), Errno> {
     let mut cfg = LoopConfig {
         fd: backing.as_raw_fd() as u32,
-        block_size: 0,
+        // 0 keeps the kernel's default logical block size.
+        block_size,
         info: LoopInfo64::zeroed(),
         reserved: [0; 8],
     };
-    // block_size 0: keep the kernel's default logical block size.
     cfg.info.lo_flags = flags;
     cfg.info.lo_sizelimit = size_limit;
     fill_name(&mut cfg.info, tag);
@@ -379,7 +386,14 @@ fn attach_inner(
             if want_dio {
                 flags |= LO_FLAGS_DIRECT_IO;
             }
-            configure(&dev, &backing, flags, &opts.tag, opts.size_limit)
+            configure(
+                &dev,
+                &backing,
+                flags,
+                &opts.tag,
+                opts.size_limit,
+                opts.logical_block_size,
+            )
         } else {
             legacy_bind(&dev, &dev_path, &backing, &opts.tag, opts.size_limit)
         };
@@ -390,6 +404,14 @@ fn attach_inner(
                     // The legacy path can only ask for direct I/O afterwards.
                     if let Err(e) = unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), 1) } {
                         tracing::warn!(device = %bound.as_ref().unwrap().display(), error = %e, "direct I/O refused; using buffered I/O");
+                    }
+                }
+                if !use_configure && opts.logical_block_size != 0 {
+                    let size = opts.logical_block_size as i32;
+                    if let Err(e) = unsafe { ioc::loop_set_block_size(dev.as_raw_fd(), size) } {
+                        let dev_path = bound.take().unwrap();
+                        let _ = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) };
+                        return Err(LoopError::ioctl("LOOP_SET_BLOCK_SIZE", &dev_path, e));
                     }
                 }
                 break;
@@ -746,6 +768,7 @@ mod tests {
                 direct_io: false,
                 tag: tag.clone(),
                 size_limit: 0,
+                logical_block_size: 0,
             },
         );
         let info = status(guard.path()).unwrap();
@@ -860,6 +883,7 @@ mod tests {
             direct_io: true,
             tag: tag.clone(),
             size_limit: 0,
+            logical_block_size: 0,
         };
         let g = LoopGuard(attach_inner(&img, &opts, false).unwrap());
         let st = status(g.path()).unwrap();
@@ -1080,6 +1104,36 @@ mod tests {
             lbs.trim()
         );
         assert_eq!(status(g.path()).unwrap().direct_io, g.0.direct_io);
+    }
+
+    fn logical_block_size(number: u32) -> u32 {
+        std::fs::read_to_string(format!("/sys/block/loop{number}/queue/logical_block_size"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// Both attach paths apply a requested logical block size; 0 keeps the
+    /// kernel's 512 (the control).
+    #[test]
+    fn loopdev_logical_block_size_is_what_was_asked() {
+        require_root!();
+        let dir = tempfile::tempdir().unwrap();
+        let img = sparse_image(dir.path(), "lbs.img", 64 * MIB);
+        for (configure, size, want) in [(true, 0, 512), (true, 4096, 4096), (false, 4096, 4096)] {
+            let opts = AttachOptions {
+                tag: test_tag("lbs"),
+                logical_block_size: size,
+                ..Default::default()
+            };
+            let g = LoopGuard(attach_inner(&img, &opts, configure).unwrap());
+            assert_eq!(
+                logical_block_size(g.0.number),
+                want,
+                "LOOP_CONFIGURE={configure} asked {size}"
+            );
+        }
     }
 
     #[test]

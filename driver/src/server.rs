@@ -267,14 +267,9 @@ fn spawn_gc(
 async fn node_clean_reporter(
     cfg: &Config,
 ) -> Result<Arc<dyn crate::node::recover::CleanReporter>, ServeError> {
-    let cluster = match &cfg.kubeconfig {
-        Some(path) => fencecsi_cluster::Cluster::from_kubeconfig(path).await,
-        None => fencecsi_cluster::kube::Client::try_default()
-            .await
-            .map(fencecsi_cluster::Cluster::kube)
-            .map_err(Into::into),
-    }
-    .map_err(|e| ServeError::Config(format!("--report-node-clean needs a cluster client: {e}")))?;
+    let cluster = cfg.kube.connect().await.map_err(|e| {
+        ServeError::Config(format!("--report-node-clean needs a cluster client: {e}"))
+    })?;
     let node = cfg
         .node_name
         .clone()

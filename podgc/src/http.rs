@@ -21,6 +21,9 @@ use crate::metrics::Metrics;
 pub struct Liveness {
     last: std::sync::Mutex<Instant>,
     stale_after: Duration,
+    /// Set while the run loop knows it cannot do its job (a failing election),
+    /// so /healthz turns red at once instead of after the staleness limit.
+    failing: std::sync::atomic::AtomicBool,
 }
 
 impl Liveness {
@@ -28,17 +31,26 @@ impl Liveness {
         Liveness {
             last: std::sync::Mutex::new(Instant::now()),
             stale_after,
+            failing: Default::default(),
         }
     }
     pub fn stamp(&self) {
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.failing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+    pub fn fail(&self) {
+        self.failing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
     pub fn healthy(&self) -> bool {
-        self.last
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .elapsed()
-            < self.stale_after
+        !self.failing.load(std::sync::atomic::Ordering::Relaxed)
+            && self
+                .last
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .elapsed()
+                < self.stale_after
     }
 }
 

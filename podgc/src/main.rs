@@ -1,10 +1,8 @@
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser};
-use fencecsi_cluster::cli::{parse_duration, LeaderElectionArgs, LogFormat};
-use fencecsi_cluster::Cluster;
+use fencecsi_cluster::cli::{parse_duration, KubeArgs, LeaderElectionArgs, LogFormat};
 use fencecsi_podgc::{PodGc, PodGcConfig};
 
 /// fencecsi podgc: force-deletes the stuck stateful pods of nodes that shut down, safely.
@@ -29,9 +27,8 @@ struct Cli {
 
 #[derive(Debug, Args)]
 struct RunArgs {
-    /// Kubeconfig to use; default: in-cluster config, else $KUBECONFIG / ~/.kube/config.
-    #[arg(long, env = "KUBECONFIG")]
-    kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    kube: KubeArgs,
 
     /// How long a node's Ready condition must have been False/Unknown (from its
     /// lastTransitionTime) before podgc acts.
@@ -86,10 +83,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     cfg.validate().map_err(anyhow::Error::msg)?;
-    let cluster = match &a.kubeconfig {
-        Some(p) => Cluster::from_kubeconfig(p).await?,
-        None => Cluster::kube(fencecsi_cluster::kube::Client::try_default().await?),
-    };
+    let cluster = a.kube.connect().await?;
     let podgc = PodGc::new(cluster, cfg);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http = {

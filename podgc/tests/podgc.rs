@@ -1330,3 +1330,68 @@ async fn a_podgc_that_starts_leading_gives_every_down_node_a_full_grace() {
     );
     h.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = cluster(&["n1"]).await;
+    // The API server forbids Leases in "locked" (say, RBAC for another namespace).
+    c.deny::<fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease>("locked");
+    let instance = |id: &str, ns: &str| {
+        let mut cfg = cfg();
+        cfg.identity = id.into();
+        cfg.leader_election = Some(
+            LeaderElectionConfig::new(ns, "fencecsi-podgc", id)
+                .with_timing(
+                    Duration::from_secs(2),
+                    Duration::from_millis(1500),
+                    Duration::from_millis(200),
+                )
+                .unhealthy_after(Duration::from_secs(1)),
+        );
+        PodGc::new(c.clone(), cfg)
+    };
+    let (open, locked) = (
+        instance("open", "kube-system"),
+        instance("locked", "locked"),
+    );
+    let (open_live, locked_live) = (open.liveness(), locked.liveness());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(fencecsi_podgc::http::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        locked.metrics(),
+        locked.liveness(),
+        async {
+            let _ = stop_rx.await;
+        },
+        Some(tx),
+    ));
+    let addr = rx.await.unwrap();
+    let healthz = || async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let (open, locked) = (open.spawn(), locked.spawn());
+    wait_for("the locked instance's /healthz turns 503", || async {
+        healthz().await.starts_with("HTTP/1.1 503")
+    })
+    .await;
+    assert!(!locked_live.healthy());
+    // Control: the instance with a usable Lease leads and stays healthy.
+    let o = &open;
+    wait_for("the open instance leads", || async move {
+        o.next_pass().await.leader
+    })
+    .await;
+    assert!(open_live.healthy());
+    let _ = stop_tx.send(());
+    server.await.unwrap().unwrap();
+    locked.shutdown().await.unwrap();
+    open.shutdown().await.unwrap();
+}

@@ -85,7 +85,8 @@ pub fn rand_write(path: &Path, span: u64, count: u64, threads: u64, seed: u64) -
                 let buf = aligned(4096);
                 let mut rng = crate::rig::Rng::new(seed * 1000 + i);
                 for _ in 0..count / threads {
-                    f.write_all_at(buf, (rng.next() % blocks) * 4096).unwrap();
+                    f.write_all_at(buf, (rng.next_u64() % blocks) * 4096)
+                        .unwrap();
                 }
             })
         })

@@ -217,10 +217,8 @@ fn clear_immutable(dir: &Path) {
         let p = e.path();
         match e.file_type() {
             Ok(t) if t.is_dir() => clear_immutable(&p),
-            Ok(t) if t.is_file() => {
-                if fencecsi_driver::fsops::is_immutable(&p).unwrap_or(false) {
-                    let _ = fencecsi_driver::fsops::set_immutable(&p, false);
-                }
+            Ok(t) if t.is_file() && fencecsi_driver::fsops::is_immutable(&p).unwrap_or(false) => {
+                let _ = fencecsi_driver::fsops::set_immutable(&p, false);
             }
             _ => {}
         }
@@ -558,6 +556,7 @@ pub fn backing_fs(outer: &Env, kind: &str, size: u64) -> PathBuf {
             direct_io: false,
             tag: format!("fcsi-test-backing-{kind}"),
             size_limit: 0,
+            logical_block_size: 0,
         },
     )
     .unwrap();

@@ -4,7 +4,7 @@
 //! same RPC sequence a CO uses.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use fencecsi_driver::config::Mode;
 use fencecsi_proto::client::CsiClient;
@@ -107,23 +107,42 @@ impl Rig {
     }
 
     pub async fn create(&self, name: &str, size: i64, cap: &csi::VolumeCapability) -> csi::Volume {
+        self.create_volume(create_request(name, size, cap))
+            .await
+            .expect("CreateVolume")
+    }
+
+    /// CreateVolume with `req` as given (a content source, a topology): the
+    /// volume, or the error for the test to check.
+    pub async fn create_volume(
+        &self,
+        req: csi::CreateVolumeRequest,
+    ) -> Result<csi::Volume, Status> {
         self.controller
             .clone()
             .controller
-            .create_volume(csi::CreateVolumeRequest {
-                name: name.into(),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: size,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![cap.clone()],
-                ..Default::default()
-            })
+            .create_volume(req)
             .await
-            .expect("CreateVolume")
-            .into_inner()
-            .volume
-            .expect("volume in response")
+            .map(|r| r.into_inner().volume.expect("volume in response"))
+    }
+
+    /// [`Rig::create`], then [`Rig::attach`] of the new volume: a volume in
+    /// use on `node`, where most tests start.
+    pub async fn create_attached(
+        &self,
+        env: &Env,
+        name: &str,
+        size: i64,
+        cap: &csi::VolumeCapability,
+        node: &str,
+        pod: &str,
+    ) -> (csi::Volume, Placement) {
+        let vol = self.create(name, size, cap).await;
+        let p = self
+            .attach(env, &vol.volume_id, node, pod, cap)
+            .await
+            .expect("attaching the new volume");
+        (vol, p)
     }
 
     /// ControllerPublish, NodeStage, NodePublish on `node`.
@@ -153,13 +172,7 @@ impl Rig {
         std::fs::create_dir_all(target.parent().unwrap()).unwrap();
         let mut n = self.node(node);
         n.node
-            .node_stage_volume(csi::NodeStageVolumeRequest {
-                volume_id: volume_id.into(),
-                publish_context: ctx.clone(),
-                staging_target_path: staging.to_string_lossy().into(),
-                volume_capability: Some(cap.clone()),
-                ..Default::default()
-            })
+            .node_stage_volume(stage_request(volume_id, &staging, cap, &ctx))
             .await?;
         n.node
             .node_publish_volume(csi::NodePublishVolumeRequest {
@@ -201,6 +214,19 @@ impl Rig {
         Ok(())
     }
 
+    /// What a CO does when the pod is gone: NodeUnpublish, NodeUnstage and
+    /// ControllerUnpublish of `p`, none forced or fenced.
+    pub async fn detach(&self, p: &Placement) -> Result<(), Status> {
+        self.node_teardown(p, false).await?;
+        self.unpublish(&p.volume_id, &p.node, false).await
+    }
+
+    /// [`Rig::detach`], then DeleteVolume: the volume is gone.
+    pub async fn detach_and_delete(&self, p: &Placement) -> Result<(), Status> {
+        self.detach(p).await?;
+        self.delete(&p.volume_id).await
+    }
+
     pub async fn unpublish(&self, volume_id: &str, node: &str, fence: bool) -> Result<(), Status> {
         retry_aborted(|| {
             let mut c = self.controller.clone();
@@ -229,11 +255,84 @@ impl Rig {
         .map(|_| ())
     }
 
+    /// ControllerGetVolume's status of `volume_id` (its condition, its nodes).
+    pub async fn volume_status(
+        &self,
+        volume_id: &str,
+    ) -> csi::controller_get_volume_response::VolumeStatus {
+        self.controller
+            .clone()
+            .controller
+            .controller_get_volume(csi::ControllerGetVolumeRequest {
+                volume_id: volume_id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap()
+    }
+
     pub async fn stop(self) {
         for p in self.plugins {
             p.stop().await;
         }
     }
+}
+
+/// The CreateVolumeRequest fields every create sets: `size` bytes of `cap`.
+/// Others (a content source, a topology) go in with `..create_request(..)`.
+pub fn create_request(
+    name: &str,
+    size: i64,
+    cap: &csi::VolumeCapability,
+) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: size,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![cap.clone()],
+        ..Default::default()
+    }
+}
+
+/// The NodeStageVolumeRequest a CO sends once `ctx` came back from
+/// ControllerPublish.
+pub fn stage_request(
+    volume_id: &str,
+    staging: &Path,
+    cap: &csi::VolumeCapability,
+    ctx: &HashMap<String, String>,
+) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: volume_id.into(),
+        publish_context: ctx.clone(),
+        staging_target_path: staging.to_string_lossy().into(),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    }
+}
+
+/// A content source: the snapshot `snapshot_id` (a restore).
+pub fn from_snapshot(snapshot_id: &str) -> Option<csi::VolumeContentSource> {
+    use csi::volume_content_source::{SnapshotSource, Type};
+    Some(csi::VolumeContentSource {
+        r#type: Some(Type::Snapshot(SnapshotSource {
+            snapshot_id: snapshot_id.into(),
+        })),
+    })
+}
+
+/// A content source: the volume `volume_id` (a clone).
+pub fn from_volume(volume_id: &str) -> Option<csi::VolumeContentSource> {
+    use csi::volume_content_source::{Type, VolumeSource};
+    Some(csi::VolumeContentSource {
+        r#type: Some(Type::Volume(VolumeSource {
+            volume_id: volume_id.into(),
+        })),
+    })
 }
 
 /// A small deterministic PRNG for randomised timing (seed printed by tests).
@@ -255,13 +354,13 @@ impl Rng {
             });
         (Rng::new(seed), seed)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo).max(1)
+        lo + self.next_u64() % (hi - lo).max(1)
     }
 }

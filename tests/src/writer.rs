@@ -1,6 +1,7 @@
 //! The record writer as a child process: starts `fencecsi-writer`, reads its
 //! `ok <seq> <monotonic ns>` / `err <seq> <errno>` lines on a thread, and
-//! keeps what it acknowledged, with when.
+//! keeps what it acknowledged, with when; and, with `--churn`, its
+//! `churn <discard|zero> <ok|err> <monotonic ns>` lines.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -14,6 +15,29 @@ use crate::monotonic_ns;
 pub struct WriterLog {
     acks: Mutex<Vec<(u64, u64)>>,
     errors: Mutex<Vec<(u64, i32, u64)>>,
+    churn: Mutex<Vec<Churn>>,
+}
+
+/// One discard or write-zeroes of the writer's scratch area.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Churn {
+    /// "discard" or "zero".
+    pub kind: String,
+    /// The call succeeded and the area it was given read back as zeros
+    /// after holding the writer's pattern.
+    pub ok: bool,
+    /// CLOCK_MONOTONIC ns, taken by the writer after the read-back.
+    pub at: u64,
+    /// Why not ok (the writer's words), empty when ok.
+    pub why: String,
+}
+
+/// Everything a stopped writer reported.
+pub struct WriterReport {
+    /// Acknowledged records: (seq, CLOCK_MONOTONIC ns).
+    pub acks: Vec<(u64, u64)>,
+    pub errors: usize,
+    pub churn: Vec<Churn>,
 }
 
 pub struct Writer {
@@ -45,6 +69,22 @@ impl Writer {
                 let kind = parts.next();
                 let seq = parts.next().and_then(|s| s.parse::<u64>().ok());
                 let third = parts.next().and_then(|s| s.parse::<i64>().ok());
+                if kind == Some("churn") {
+                    let mut f = line.split_whitespace().skip(1);
+                    if let (Some(k), Some(v), Some(at)) = (
+                        f.next(),
+                        f.next(),
+                        f.next().and_then(|t| t.parse::<u64>().ok()),
+                    ) {
+                        l.churn.lock().unwrap().push(Churn {
+                            kind: k.to_string(),
+                            ok: v == "ok",
+                            at,
+                            why: f.collect::<Vec<_>>().join(" "),
+                        });
+                    }
+                    continue;
+                }
                 match (kind, seq) {
                     (Some("ok"), Some(seq)) => l
                         .acks
@@ -82,15 +122,23 @@ impl Writer {
     }
 
     /// Kills the writer; returns its acknowledgements (seq, CLOCK_MONOTONIC ns) and its error count.
-    pub fn stop(mut self) -> (Vec<(u64, u64)>, usize) {
+    pub fn stop(self) -> (Vec<(u64, u64)>, usize) {
+        let r = self.finish();
+        (r.acks, r.errors)
+    }
+
+    /// Kills the writer; returns all it reported (every line it printed is read first).
+    pub fn finish(mut self) -> WriterReport {
         let _ = self.child.kill();
         let _ = self.child.wait();
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
-        let acks = self.log.acks.lock().unwrap().clone();
-        let errors = self.log.errors.lock().unwrap().len();
-        (acks, errors)
+        WriterReport {
+            acks: self.log.acks.lock().unwrap().clone(),
+            errors: self.log.errors.lock().unwrap().len(),
+            churn: self.log.churn.lock().unwrap().clone(),
+        }
     }
 }
 

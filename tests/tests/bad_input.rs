@@ -120,15 +120,7 @@ async fn start(env: &Env) -> (InProcess, CsiClient) {
 
 async fn create(c: &mut CsiClient, name: &str, size: i64, cap: &csi::VolumeCapability) -> String {
     c.controller
-        .create_volume(csi::CreateVolumeRequest {
-            name: name.into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: size,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        })
+        .create_volume(fencecsi_tests::rig::create_request(name, size, cap))
         .await
         .unwrap()
         .into_inner()

@@ -65,17 +65,7 @@ fn statvfs(dir: &Path) -> (i64, i64) {
     (st.blocks() as i64 * f, st.blocks_available() as i64 * f)
 }
 
-fn create_req(name: &str, size: i64, cap: &csi::VolumeCapability) -> csi::CreateVolumeRequest {
-    csi::CreateVolumeRequest {
-        name: name.into(),
-        capacity_range: Some(csi::CapacityRange {
-            required_bytes: size,
-            limit_bytes: 0,
-        }),
-        volume_capabilities: vec![cap.clone()],
-        ..Default::default()
-    }
-}
+use fencecsi_tests::rig::create_request as create_req;
 
 async fn try_create(
     c: &CsiClient,

@@ -34,7 +34,7 @@ use fencecsi_driver::failpoint;
 use fencecsi_proto::v1::group_controller_client::GroupControllerClient;
 use fencecsi_tests::csi::group_controller_service_capability::rpc::Type as GroupRpc;
 use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
-use fencecsi_tests::rig::{Placement, Rig};
+use fencecsi_tests::rig::{create_request, from_snapshot, Placement, Rig};
 use fencecsi_tests::{
     block_cap, csi, mount_cap, region_hash, require_root, wait_for_socket, Access, Env, InProcess,
     Process,
@@ -242,9 +242,7 @@ async fn new_vol(rig: &Rig, env: &Env, name: &str, block: bool) -> Vol {
 }
 
 async fn drop_vol(rig: &Rig, v: Vol) {
-    rig.node_teardown(&v.at, false).await.unwrap();
-    rig.unpublish(&v.id, "node-a", false).await.unwrap();
-    rig.delete(&v.id).await.unwrap();
+    rig.detach_and_delete(&v.at).await.unwrap();
 }
 
 /// Restores `snapshot` into a new volume, publishes it on node-a and reads
@@ -260,30 +258,12 @@ async fn restore_and_read(
 ) -> HashMap<usize, u64> {
     let cap = cap_of(block);
     let v = rig
-        .controller
-        .clone()
-        .controller
         .create_volume(csi::CreateVolumeRequest {
-            name: name.into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: SIZE,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap.clone()],
-            volume_content_source: Some(csi::VolumeContentSource {
-                r#type: Some(csi::volume_content_source::Type::Snapshot(
-                    csi::volume_content_source::SnapshotSource {
-                        snapshot_id: snapshot.into(),
-                    },
-                )),
-            }),
-            ..Default::default()
+            volume_content_source: from_snapshot(snapshot),
+            ..create_request(name, SIZE, &cap)
         })
         .await
-        .unwrap_or_else(|e| panic!("restoring {snapshot}: {e}"))
-        .into_inner()
-        .volume
-        .unwrap();
+        .unwrap_or_else(|e| panic!("restoring {snapshot}: {e}"));
     let p = rig
         .attach(env, &v.volume_id, "node-a", &format!("pod-{name}"), &cap)
         .await
@@ -292,9 +272,7 @@ async fn restore_and_read(
         .iter()
         .map(|c| (*c, read_chain(&p, block, run, *c)))
         .collect();
-    rig.node_teardown(&p, false).await.unwrap();
-    rig.unpublish(&v.volume_id, "node-a", false).await.unwrap();
-    rig.delete(&v.volume_id).await.unwrap();
+    rig.detach_and_delete(&p).await.unwrap();
     found
 }
 
@@ -892,28 +870,12 @@ async fn group_controller_rpcs_and_error_codes() {
     // Members hold their source's data at the group's instant, whatever the source does after.
     write_pattern(&image(&env, &va), 9);
     for (vol, hash) in [(&va, &hash_a), (&vb, &hash_b)] {
-        let r = c
-            .controller
+        let r = rig
             .create_volume(csi::CreateVolumeRequest {
-                name: format!("restored-{vol}"),
-                capacity_range: Some(csi::CapacityRange {
-                    required_bytes: SIZE,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![cap.clone()],
-                volume_content_source: Some(csi::VolumeContentSource {
-                    r#type: Some(csi::volume_content_source::Type::Snapshot(
-                        csi::volume_content_source::SnapshotSource {
-                            snapshot_id: member(&g1, vol).snapshot_id.clone(),
-                        },
-                    )),
-                }),
-                ..Default::default()
+                volume_content_source: from_snapshot(&member(&g1, vol).snapshot_id),
+                ..create_request(&format!("restored-{vol}"), SIZE, &cap)
             })
             .await
-            .unwrap()
-            .into_inner()
-            .volume
             .unwrap();
         assert_eq!(
             &region_hash(&image(&env, &r.volume_id), SIZE as u64),
@@ -1097,15 +1059,7 @@ async fn a_crash_mid_group_snapshot_leaves_nothing_after_restart() {
     for n in ["ca", "cb"] {
         vols.push(
             c.controller
-                .create_volume(csi::CreateVolumeRequest {
-                    name: n.into(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: SIZE,
-                        limit_bytes: 0,
-                    }),
-                    volume_capabilities: vec![cap.clone()],
-                    ..Default::default()
-                })
+                .create_volume(create_request(n, SIZE, &cap))
                 .await
                 .unwrap()
                 .into_inner()

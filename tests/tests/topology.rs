@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use fencecsi_driver::config::{Config, Mode, DEFAULT_DRIVER_NAME};
 use fencecsi_driver::controller::{topology_of, TOPOLOGY_KEY};
 use fencecsi_proto::client::CsiClient;
-use fencecsi_tests::rig::{Placement, Rig};
+use fencecsi_tests::rig::{create_request, Placement, Rig};
 use fencecsi_tests::{csi, mount_cap, require_root, Access, Env, InProcess};
 
 fn cap() -> csi::VolumeCapability {
@@ -55,27 +55,15 @@ async fn ready(c: &CsiClient) -> Option<bool> {
 
 /// CreateVolume as the external-provisioner sends it: requisite = the selected node's topology.
 async fn create_on(rig: &Rig, name: &str, topology: &csi::Topology) -> csi::Volume {
-    rig.controller
-        .clone()
-        .controller
-        .create_volume(csi::CreateVolumeRequest {
-            name: name.into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: 64 << 20,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap()],
-            accessibility_requirements: Some(csi::TopologyRequirement {
-                requisite: vec![topology.clone()],
-                preferred: vec![topology.clone()],
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
-        .into_inner()
-        .volume
-        .unwrap()
+    rig.create_volume(csi::CreateVolumeRequest {
+        accessibility_requirements: Some(csi::TopologyRequirement {
+            requisite: vec![topology.clone()],
+            preferred: vec![topology.clone()],
+        }),
+        ..create_request(name, 64 << 20, &cap())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
 }
 
 fn write_text(p: &Placement, text: &str) {
@@ -87,11 +75,6 @@ fn write_text(p: &Placement, text: &str) {
 
 fn read_text(p: &Placement) -> String {
     std::fs::read_to_string(p.target.join("record")).unwrap()
-}
-
-async fn detach(rig: &Rig, p: &Placement) {
-    rig.node_teardown(p, false).await.unwrap();
-    rig.unpublish(&p.volume_id, &p.node, false).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,7 +93,7 @@ async fn topology_and_volumes_survive_a_reboot() {
         .await
         .unwrap();
     write_text(&p, "before the reboot");
-    detach(&rig, &p).await;
+    rig.detach(&p).await.unwrap();
     rig.stop().await;
 
     // The host reboots: another boot ID for controller and node.
@@ -128,7 +111,7 @@ async fn topology_and_volumes_survive_a_reboot() {
     // A volume made after the reboot lands in the same topology.
     let new = create_on(&rig, "pv-after", &topo).await;
     assert_eq!(new.accessible_topology, vec![topo.clone()]);
-    detach(&rig, &p).await;
+    rig.detach(&p).await.unwrap();
     for v in [&vol.volume_id, &new.volume_id] {
         rig.delete(v).await.unwrap();
     }
@@ -173,7 +156,7 @@ async fn a_volume_with_the_legacy_boot_id_value_still_publishes() {
         node_topology(&rig.node("node-a")).await,
         legacy.segments[TOPOLOGY_KEY]
     );
-    detach(&rig, &p).await;
+    rig.detach(&p).await.unwrap();
     rig.stop().await;
 
     // Reboots after the upgrade change nothing.
@@ -190,7 +173,7 @@ async fn a_volume_with_the_legacy_boot_id_value_still_publishes() {
         .await
         .expect("the legacy volume publishes and stages");
     assert_eq!(read_text(&p), "legacy");
-    detach(&rig, &p).await;
+    rig.detach(&p).await.unwrap();
     rig.delete(&vol.volume_id).await.unwrap();
     rig.stop().await;
     env.assert_clean();

@@ -4,44 +4,120 @@
 //! that writes were landing (positive control), then that after the step
 //! nothing written by the first holder reaches the data the next node gets.
 
+use std::collections::HashMap;
+use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use fencecsi_driver::failpoint;
 use fencecsi_driver::fence::{holders, is_fenced_device};
-use fencecsi_driver::loopdev::{self, AttachOptions};
-use fencecsi_tests::rig::{Placement, Rig};
-use fencecsi_tests::{csi, generation_path, mount_cap, region_hash, require_root, Access, Env};
+use fencecsi_driver::loopdev::{self, AttachOptions, LoopInfo};
+use fencecsi_driver::node::loop_tag;
+use fencecsi_tests::rig::{stage_request, Placement, Rig};
+use fencecsi_tests::{
+    block_cap, csi, generation_path, mount_cap, region_hash, require_root, Access, Env,
+};
 use tonic::Code;
 
 const SIZE: i64 = 64 << 20;
 
 /// Detaches a loop device this test attached itself, failing or not.
-struct Detach(std::path::PathBuf);
+struct Detach(PathBuf);
 impl Drop for Detach {
     fn drop(&mut self) {
         let _ = loopdev::detach(&self.0);
     }
 }
 
-/// A holder the records know nothing of: an admin's `losetup` on the image's data.
-fn admin_losetup(image: &Path) -> (loopdev::LoopInfo, Detach) {
-    let stray = loopdev::attach(
+/// A loop device on `image` made by this test, not by today's node plugin
+/// (an admin, an older driver, a node whose record was lost); detached when
+/// the guard drops.
+fn losetup(image: &Path, tag: String, size_limit: u64) -> (LoopInfo, Detach) {
+    let dev = loopdev::attach(
         image,
         &AttachOptions {
-            tag: "admin-losetup".into(),
-            size_limit: SIZE as u64,
+            tag,
+            size_limit,
             ..Default::default()
         },
     )
     .unwrap();
-    let guard = Detach(stray.device.clone());
-    (stray, guard)
+    let guard = Detach(dev.device.clone());
+    (dev, guard)
+}
+
+/// A holder the records know nothing of: an admin's `losetup` on the image's data.
+fn admin_losetup(image: &Path) -> (LoopInfo, Detach) {
+    losetup(image, "admin-losetup".into(), SIZE as u64)
+}
+
+/// [`losetup`] tagged as `node`'s device for generation 1 of `vol`.
+fn node_losetup(image: &Path, vol: &str, node: &str, size_limit: u64) -> (LoopInfo, Detach) {
+    losetup(image, node_tag(vol, 1, node), size_limit)
+}
+
+/// A holder's device, opened for writing as its application has it.
+fn open_rw(device: &Path) -> File {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(device)
+        .unwrap()
+}
+
+/// 4 KiB of `fill` at `off` through `dev`, synced: whether it got through.
+fn write_through(dev: &File, fill: u8, off: u64) -> std::io::Result<()> {
+    dev.write_all_at(&[fill; 4096], off)
+        .and_then(|_| dev.sync_all())
+}
+
+/// Positive control: `write` changes the first `limit` bytes of `image`, so
+/// the holder's writes were reaching the data before the step under test.
+fn assert_write_lands(image: &Path, limit: u64, what: &str, write: impl FnOnce()) {
+    let h0 = region_hash(image, limit);
+    write();
+    assert_ne!(region_hash(image, limit), h0, "{what}");
+}
+
+/// Runs `attempt` (writes of a fenced holder) and asserts the first `limit`
+/// bytes of `image` did not change; their hash.
+fn assert_data_unchanged(image: &Path, limit: u64, what: &str, attempt: impl FnOnce()) -> String {
+    let at = region_hash(image, limit);
+    attempt();
+    assert_eq!(region_hash(image, limit), at, "{what}");
+    at
+}
+
+/// Writes through `dev` at each of `offsets` fail: the step named `after`
+/// moved the device out of the data.
+fn assert_writes_fail(dev: &File, offsets: &[u64], after: &str) {
+    for &off in offsets {
+        let w = write_through(dev, 0x99, off);
+        assert!(w.is_err(), "a write at {off} after the {after} must fail");
+    }
 }
 
 fn write_and_sync(dir: &Path, name: &str) -> std::io::Result<()> {
     std::fs::write(dir.join(name), vec![0x5A; 256 << 10])?;
     std::fs::File::open(dir.join(name))?.sync_all()
+}
+
+/// Polls `done` until it holds; fails the test with `what` after `secs`.
+async fn wait_until(secs: u64, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Tracing, a test env, and a controller with node plugins `nodes`.
+async fn start(nodes: &[&str]) -> (Env, Rig) {
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let rig = Rig::start(&env, nodes).await;
+    (env, rig)
 }
 
 async fn delete_eventually(rig: &Rig, vol: &str) {
@@ -57,13 +133,39 @@ async fn delete_eventually(rig: &Rig, vol: &str) {
     }
 }
 
-async fn cleanup(rig: &Rig, vol: &str, a: &Placement, b: Option<&Placement>) {
-    rig.node_teardown(a, true).await.unwrap();
-    if let Some(b) = b {
-        rig.node_teardown(b, false).await.unwrap();
-        rig.unpublish(vol, "node-b", false).await.unwrap();
-    }
-    delete_eventually(rig, vol).await;
+/// Ends a test: deletes the volume ([`delete_eventually`]), stops the
+/// plugins and checks nothing is left mounted or attached.
+async fn delete_and_stop(env: &Env, rig: Rig, vol: &str) {
+    delete_eventually(&rig, vol).await;
+    rig.stop().await;
+    env.assert_clean();
+}
+
+/// Ends a test whose volume is in use on `b`: its detach, then
+/// [`delete_and_stop`].
+async fn detach_delete_and_stop(env: &Env, rig: Rig, b: &Placement) {
+    rig.detach(b).await.unwrap();
+    delete_and_stop(env, rig, &b.volume_id).await;
+}
+
+/// The volume's condition as ControllerGetVolume reports it.
+async fn condition(rig: &Rig, vol: &str) -> csi::VolumeCondition {
+    rig.volume_status(vol).await.volume_condition.unwrap()
+}
+
+/// Node B gets the volume, on a generation after the first.
+async fn b_gets_a_new_generation(
+    env: &Env,
+    rig: &Rig,
+    vol: &str,
+    cap: &csi::VolumeCapability,
+) -> Placement {
+    let b = rig
+        .attach(env, vol, "node-b", "pod-b", cap)
+        .await
+        .expect("node B gets a new generation");
+    assert!(b.generation() > 1, "a new generation for node B");
+    b
 }
 
 /// The upstream attacher, the attach-detach controller's forced detach,
@@ -72,57 +174,35 @@ async fn cleanup(rig: &Rig, vol: &str, a: &Placement, b: Option<&Placement>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfenced_unpublish_while_held_fences_anyway() {
     require_root!();
-    fencecsi_tests::init_tracing();
-    let env = Env::new();
-    let rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    let (env, rig) = start(&["node-a", "node-b"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let vol = rig.create("held", SIZE, &cap).await;
-    let a = rig
-        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
-        .await
-        .unwrap();
+    let (vol, a) = rig
+        .create_attached(&env, "held", SIZE, &cap, "node-a", "pod-a")
+        .await;
     let image = generation_path(&env, &vol.volume_id, a.generation());
-    let h0 = region_hash(&image, SIZE as u64);
-    write_and_sync(&a.target, "before").expect("control: node A writes");
-    assert_ne!(
-        region_hash(&image, SIZE as u64),
-        h0,
-        "control: the write reached the data"
+    assert_write_lands(
+        &image,
+        SIZE as u64,
+        "control: the write reached the data",
+        || write_and_sync(&a.target, "before").expect("control: node A writes"),
     );
 
     rig.unpublish(&vol.volume_id, "node-a", false)
         .await
         .expect("the unpublish succeeds, by fencing");
-    let at = region_hash(&image, SIZE as u64);
     let held = holders(&image).unwrap();
     assert!(!held.is_empty(), "node A still holds the generation");
     assert!(
         held.iter().all(|l| is_fenced_device(l, SIZE as u64)),
         "every holder is remapped out of the data: {held:?}"
     );
-    assert!(
-        write_and_sync(&a.target, "after").is_err(),
-        "node A can no longer write"
-    );
-    assert_eq!(
-        region_hash(&image, SIZE as u64),
-        at,
-        "the data did not change"
-    );
-    let cond = rig
-        .controller
-        .clone()
-        .controller
-        .controller_get_volume(csi::ControllerGetVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap()
-        .volume_condition
-        .unwrap();
+    assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
+        assert!(
+            write_and_sync(&a.target, "after").is_err(),
+            "node A can no longer write"
+        )
+    });
+    let cond = condition(&rig, &vol.volume_id).await;
     assert!(
         cond.message.contains("did not ask"),
         "the condition says why it was fenced: {cond:?}"
@@ -140,9 +220,8 @@ async fn unfenced_unpublish_while_held_fences_anyway() {
         b.target.join("before").exists(),
         "what A wrote before is there"
     );
-    cleanup(&rig, &vol.volume_id, &a, Some(&b)).await;
-    rig.stop().await;
-    env.assert_clean();
+    rig.node_teardown(&a, true).await.unwrap();
+    detach_delete_and_stop(&env, rig, &b).await;
 }
 
 /// A NodeStageVolume on a node the controller never published to, with a
@@ -150,31 +229,26 @@ async fn unfenced_unpublish_while_held_fences_anyway() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_publish_context_is_refused() {
     require_root!();
-    fencecsi_tests::init_tracing();
-    let env = Env::new();
-    let rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    let (env, rig) = start(&["node-a", "node-b"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let vol = rig.create("forged", SIZE, &cap).await;
-    let a = rig
-        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
-        .await
-        .unwrap();
+    let (vol, a) = rig
+        .create_attached(&env, "forged", SIZE, &cap, "node-a", "pod-a")
+        .await;
     let loops_before = env.loops();
     let staging = env.staging_path("node-b", &vol.volume_id);
+    let forged = [(
+        "loop.fencecsi.io/generation".to_string(),
+        a.generation().to_string(),
+    )];
     let err = rig
         .node("node-b")
         .node
-        .node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            publish_context: [(
-                "loop.fencecsi.io/generation".to_string(),
-                a.generation().to_string(),
-            )]
-            .into(),
-            staging_target_path: staging.to_string_lossy().into(),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
+        .node_stage_volume(stage_request(
+            &vol.volume_id,
+            &staging,
+            &cap,
+            &forged.into(),
+        ))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
@@ -189,21 +263,12 @@ async fn forged_publish_context_is_refused() {
 
     // Positive control: the same stage succeeds once the controller has
     // published the volume to node B.
-    rig.node_teardown(&a, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", false)
-        .await
-        .unwrap();
+    rig.detach(&a).await.unwrap();
     let b = rig
         .attach(&env, &vol.volume_id, "node-b", "pod-b2", &cap)
         .await
         .expect("node B stages once published to it");
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
-        .await
-        .unwrap();
-    delete_eventually(&rig, &vol.volume_id).await;
-    rig.stop().await;
-    env.assert_clean();
+    detach_delete_and_stop(&env, rig, &b).await;
 }
 
 /// A holder the records know nothing of (here an admin's losetup on the
@@ -212,35 +277,22 @@ async fn forged_publish_context_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_fences_a_holder_no_attachment_entitles() {
     require_root!();
-    fencecsi_tests::init_tracing();
-    let env = Env::new();
-    let rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    let (env, rig) = start(&["node-a", "node-b"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let vol = rig.create("stray", SIZE, &cap).await;
-    let a = rig
-        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
-        .await
-        .unwrap();
+    let (vol, a) = rig
+        .create_attached(&env, "stray", SIZE, &cap, "node-a", "pod-a")
+        .await;
     write_and_sync(&a.target, "from-a").unwrap();
-    rig.node_teardown(&a, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-a", false)
-        .await
-        .unwrap();
+    rig.detach(&a).await.unwrap();
 
     let image = generation_path(&env, &vol.volume_id, a.generation());
-    let (stray, _guard) = admin_losetup(&image);
-    let dev = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&stray.device)
-        .unwrap();
-    let h0 = region_hash(&image, SIZE as u64);
-    dev.write_all_at(&[0x77; 4096], 60 << 20).unwrap();
-    dev.sync_all().unwrap();
-    assert_ne!(
-        region_hash(&image, SIZE as u64),
-        h0,
-        "control: the stray writes the data"
+    let (stray, guard) = admin_losetup(&image);
+    let dev = open_rw(&stray.device);
+    assert_write_lands(
+        &image,
+        SIZE as u64,
+        "control: the stray writes the data",
+        || write_through(&dev, 0x77, 60 << 20).unwrap(),
     );
 
     let b = rig
@@ -256,22 +308,28 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
         is_fenced_device(&now, SIZE as u64),
         "the stray is fenced: {now:?}"
     );
-    let at = region_hash(&image, SIZE as u64);
-    let late = dev
-        .write_all_at(&[0x99; 4096], 60 << 20)
-        .and_then(|_| dev.sync_all());
-    assert!(late.is_err(), "the stray can no longer write");
-    assert_eq!(region_hash(&image, SIZE as u64), at);
+    assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
+        let late = write_through(&dev, 0x99, 60 << 20);
+        assert!(late.is_err(), "the stray can no longer write");
+    });
     assert!(b.target.join("from-a").exists());
     drop(dev);
-    drop(_guard);
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
-        .await
-        .unwrap();
-    delete_eventually(&rig, &vol.volume_id).await;
-    rig.stop().await;
-    env.assert_clean();
+    drop(guard);
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// A raw block volume published to node A (ControllerPublish alone, no
+/// stage: the test attaches node A's device itself), and its generation 1.
+async fn published_to_a(
+    env: &Env,
+    rig: &Rig,
+    name: &str,
+    cap: &csi::VolumeCapability,
+) -> (String, PathBuf) {
+    let vol = rig.create(name, SIZE, cap).await.volume_id;
+    publish_to(rig, &vol, "node-a", cap).await;
+    let image = generation_path(env, &vol, 1);
+    (vol, image)
 }
 
 /// An attachment made before images carried a trailer: the node's loop device
@@ -281,58 +339,22 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attachment_from_before_the_trailer_is_fenced_too() {
     require_root!();
-    fencecsi_tests::init_tracing();
-    let env = Env::new();
-    let rig = Rig::start(&env, &["node-a", "node-b"]).await;
-    let cap = fencecsi_tests::block_cap(Access::SingleNodeWriter);
-    let vol = rig.create("legacy", SIZE, &cap).await;
-    rig.controller
-        .clone()
-        .controller
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            node_id: "node-a".into(),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let image = generation_path(&env, &vol.volume_id, 1);
-    let id = match fencecsi_driver::ids::VolumeId::parse(&vol.volume_id).unwrap() {
-        fencecsi_driver::ids::Parsed::Ours(v) => v,
-        _ => unreachable!(),
-    };
+    let (env, rig) = start(&["node-a", "node-b"]).await;
+    let cap = block_cap(Access::SingleNodeWriter);
+    let (vol, image) = published_to_a(&env, &rig, "legacy", &cap).await;
     // What an older node plugin made: node A's tag, no size limit.
-    let old = loopdev::attach(
-        &image,
-        &AttachOptions {
-            tag: fencecsi_driver::node::loop_tag(&id, 1, "node-a"),
-            size_limit: 0,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let _guard = Detach(old.device.clone());
+    let (old, guard) = node_losetup(&image, &vol, "node-a", 0);
     let shown = old.size_bytes;
     assert!(
         shown > SIZE as u64,
         "the old device shows the trailer too ({shown} bytes)"
     );
-    let dev = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&old.device)
-        .unwrap();
-    let h0 = region_hash(&image, shown);
-    dev.write_all_at(&[0x42; 4096], shown - 4096).unwrap();
-    dev.sync_all().unwrap();
-    assert_ne!(
-        region_hash(&image, shown),
-        h0,
-        "control: the old device writes"
-    );
+    let dev = open_rw(&old.device);
+    assert_write_lands(&image, shown, "control: the old device writes", || {
+        write_through(&dev, 0x42, shown - 4096).unwrap()
+    });
 
-    rig.unpublish(&vol.volume_id, "node-a", true)
+    rig.unpublish(&vol, "node-a", true)
         .await
         .expect("the fence holds for an old-style attachment");
     let now = loopdev::status(&old.device).unwrap();
@@ -340,28 +362,13 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
         now.offset >= shown && now.size_bytes <= 512,
         "moved past all it showed: {now:?}"
     );
-    let at = region_hash(&image, shown);
-    for off in [0u64, 4096, shown - 4096] {
-        let w = dev
-            .write_all_at(&[0x99; 4096], off)
-            .and_then(|_| dev.sync_all());
-        assert!(w.is_err(), "a write at {off} after the fence must fail");
-    }
-    assert_eq!(region_hash(&image, shown), at, "nothing it showed changed");
-    let b = rig
-        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
-        .await
-        .expect("node B gets a new generation");
-    assert!(b.generation() > 1);
+    assert_data_unchanged(&image, shown, "nothing it showed changed", || {
+        assert_writes_fail(&dev, &[0, 4096, shown - 4096], "fence")
+    });
+    let b = b_gets_a_new_generation(&env, &rig, &vol, &cap).await;
     drop(dev);
-    drop(_guard);
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
-        .await
-        .unwrap();
-    delete_eventually(&rig, &vol.volume_id).await;
-    rig.stop().await;
-    env.assert_clean();
+    drop(guard);
+    detach_delete_and_stop(&env, rig, &b).await;
 }
 
 /// A stray holder fenced while the volume stays published to another node is a partial
@@ -374,11 +381,9 @@ async fn expansion_waits_while_a_fenced_stray_holds_the_generation() {
     let env = Env::new();
     let rig = Rig::start(&env, &["node-b"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let vol = rig.create("grow-stray", SIZE, &cap).await;
-    let b = rig
-        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
-        .await
-        .unwrap();
+    let (vol, b) = rig
+        .create_attached(&env, "grow-stray", SIZE, &cap, "node-b", "pod-b")
+        .await;
     let image = generation_path(&env, &vol.volume_id, b.generation());
     let (stray, guard) = admin_losetup(&image);
     // The controller's partial fence (as for a holder no attachment entitles while B
@@ -418,11 +423,585 @@ async fn expansion_waits_while_a_fenced_stray_holds_the_generation() {
         expand(2 * SIZE).await.unwrap().into_inner().capacity_bytes,
         2 * SIZE
     );
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// The tag `node`'s plugin gives its loop device on generation `gen` of `vol`.
+fn node_tag(vol: &str, gen: u64, node: &str) -> String {
+    let id = match fencecsi_driver::ids::VolumeId::parse(vol).unwrap() {
+        fencecsi_driver::ids::Parsed::Ours(v) => v,
+        _ => unreachable!("a volume of this driver"),
+    };
+    loop_tag(&id, gen, node)
+}
+
+/// ControllerPublish alone (the stage is driven step by step).
+async fn publish_to(
+    rig: &Rig,
+    vol: &str,
+    node: &str,
+    cap: &csi::VolumeCapability,
+) -> HashMap<String, String> {
+    rig.controller
+        .clone()
+        .controller
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: vol.into(),
+            node_id: node.into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .expect("ControllerPublish")
+        .into_inner()
+        .publish_context
+}
+
+fn ctx_generation(ctx: &HashMap<String, String>) -> u64 {
+    ctx[fencecsi_driver::controller::CTX_GENERATION]
+        .parse()
+        .unwrap()
+}
+
+/// Node A's stage of one volume, driven step by step (published to it with
+/// [`publish_to`], its request built from the publish context).
+struct StageOnA<'a> {
+    rig: &'a Rig,
+    vol: &'a str,
+    staging: PathBuf,
+    cap: csi::VolumeCapability,
+}
+
+impl<'a> StageOnA<'a> {
+    fn new(env: &Env, rig: &'a Rig, vol: &'a str, cap: &csi::VolumeCapability) -> Self {
+        StageOnA {
+            rig,
+            vol,
+            staging: env.staging_path("node-a", vol),
+            cap: cap.clone(),
+        }
+    }
+
+    /// NodeStage with `ctx`, held at pause point `point` on its own task.
+    fn pause_at(&self, point: &str, ctx: &HashMap<String, String>) -> PausedStage {
+        PausedStage::start(
+            point,
+            self.rig.node("node-a"),
+            stage_request(self.vol, &self.staging, &self.cap, ctx),
+        )
+    }
+
+    async fn unstage(&self, force: bool) {
+        self.rig
+            .node("node-a")
+            .node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: self.vol.into(),
+                staging_target_path: self.staging.to_string_lossy().into(),
+                force,
+            })
+            .await
+            .expect("NodeUnstage");
+    }
+}
+
+/// A NodeStage on its own task, held at pause point `point`. Dropped (a
+/// failing test), it lets the stage go on and waits for it, so the env's
+/// teardown, which runs later, finds whatever the stage made.
+struct PausedStage {
+    paused: failpoint::Paused,
+    stage: Option<tokio::task::JoinHandle<Result<(), tonic::Status>>>,
+}
+
+impl PausedStage {
+    fn start(
+        point: &str,
+        mut node: fencecsi_proto::client::CsiClient,
+        req: csi::NodeStageVolumeRequest,
+    ) -> PausedStage {
+        let paused = failpoint::arm_pause(point, &req.staging_target_path);
+        let s = PausedStage {
+            paused,
+            stage: Some(tokio::spawn(async move {
+                node.node.node_stage_volume(req).await.map(|_| ())
+            })),
+        };
+        let reached =
+            tokio::task::block_in_place(|| s.paused.wait_reached(Duration::from_secs(30)));
+        assert!(reached, "the stage did not reach {point}");
+        s
+    }
+
+    /// Lets the stage go on; its outcome.
+    async fn finish(mut self) -> Result<(), tonic::Status> {
+        self.paused.release();
+        self.stage.take().unwrap().await.unwrap()
+    }
+}
+
+impl Drop for PausedStage {
+    fn drop(&mut self) {
+        self.paused.release();
+        if let Some(s) = self.stage.take() {
+            let _ = tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(s));
+        }
+    }
+}
+
+/// Tags of the loop devices the kernel shows holding `image` (by inode).
+fn holder_tags(image: &Path) -> Vec<String> {
+    let mut t: Vec<String> = holders(image).unwrap().into_iter().map(|l| l.tag).collect();
+    t.sort();
+    t
+}
+
+/// NodeStage reads the record, then attaches. An unpublish of A (nothing
+/// holds the generation yet, so nothing to fence) and a publish to B in
+/// between would give both nodes one generation; the stage checks again
+/// under the lock the controller holds for those, so A attaches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_whose_attachment_moved_before_its_attach_is_refused() {
+    require_root!();
+    let (env, rig) = start(&["node-a", "node-b"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = rig.create("moved", SIZE, &cap).await;
+    let stage_a = StageOnA::new(&env, &rig, &vol.volume_id, &cap);
+    // After the stage read the record, before it locks and attaches.
+    const POINT: &str = "stage:before-attach";
+
+    // Positive control: paused at the same point and let go with nothing in
+    // between, A's stage succeeds and A holds the generation.
+    let ctx = publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
+    let gen = ctx_generation(&ctx);
+    let image = generation_path(&env, &vol.volume_id, gen);
+    stage_a
+        .pause_at(POINT, &ctx)
+        .finish()
+        .await
+        .expect("control: A's stage succeeds without the interleaving");
+    assert_eq!(
+        holder_tags(&image),
+        vec![node_tag(&vol.volume_id, gen, "node-a")]
+    );
+    stage_a.unstage(false).await;
+    rig.unpublish(&vol.volume_id, "node-a", false)
         .await
         .unwrap();
-    delete_eventually(&rig, &vol.volume_id).await;
-    rig.stop().await;
-    env.assert_clean();
+
+    // The interleaving: A passes its check, then loses the volume to B.
+    let ctx = publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
+    assert_eq!(ctx_generation(&ctx), gen);
+    let stage = stage_a.pause_at(POINT, &ctx);
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .expect("nothing holds the generation yet: a plain unpublish");
+    let b = rig
+        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
+        .await
+        .expect("node B gets the volume");
+    assert_eq!(
+        b.generation(),
+        gen,
+        "precondition: B holds the generation A is about to attach"
+    );
+    let err = stage
+        .finish()
+        .await
+        .expect_err("A's stage must be refused after it lost the attachment");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(
+        holder_tags(&image),
+        vec![node_tag(&vol.volume_id, gen, "node-b")],
+        "the kernel shows only B's device on the generation"
+    );
+    assert!(
+        !env.mounts().contains(&stage_a.staging),
+        "nothing was mounted for A"
+    );
+    write_and_sync(&b.target, "from-b").expect("B writes its volume");
+
+    drop(stage_a);
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// Whether /proc/locks shows a waiter blocked on an flock of `path`.
+fn flock_waiter_on(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).unwrap();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(m.dev()),
+        libc::minor(m.dev()),
+        m.ino()
+    );
+    std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("->") && l.contains("FLOCK") && l.split_whitespace().any(|f| f == want))
+}
+
+/// The other half of the same lock: a stage that passed its check under the
+/// lock holds it until its device exists, so an unpublish waits for it,
+/// then sees the device and fences it; node B gets a new generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpublish_waits_for_a_checked_stage_and_fences_it() {
+    require_root!();
+    let (env, rig) = start(&["node-a", "node-b"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = rig.create("waits", SIZE, &cap).await;
+    let stage_a = StageOnA::new(&env, &rig, &vol.volume_id, &cap);
+    let vol_dir = env.state_dir().join("volumes").join(&vol.volume_id);
+
+    // Positive control: with no stage under way the same unpublish fences
+    // nothing, so the fence below is owed to A's device.
+    publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
+    rig.unpublish(&vol.volume_id, "node-a", false)
+        .await
+        .unwrap();
+    assert!(
+        !condition(&rig, &vol.volume_id).await.abnormal,
+        "control: nothing fenced"
+    );
+
+    let ctx = publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
+    let gen = ctx_generation(&ctx);
+    let image = generation_path(&env, &vol.volume_id, gen);
+    // After the re-check under the lock, before the attach.
+    let stage = stage_a.pause_at("stage:locked-before-attach", &ctx);
+    let mut c = rig.controller.clone();
+    let req = csi::ControllerUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        node_id: "node-a".into(),
+        fence: false,
+        ..Default::default()
+    };
+    let unpublish =
+        tokio::spawn(async move { c.controller.controller_unpublish_volume(req).await });
+    // The kernel shows the unpublish blocked on the volume's lock.
+    wait_until(
+        30,
+        "the unpublish must wait for the stage that holds the lock",
+        || flock_waiter_on(&vol_dir),
+    )
+    .await;
+    // A's stage may fail in mkfs or mount once fenced: either way its device
+    // exists and is out of the data.
+    let _ = stage.finish().await;
+    unpublish
+        .await
+        .unwrap()
+        .expect("the unpublish succeeds, by fencing");
+    let held = holders(&image).unwrap();
+    assert!(
+        held.iter()
+            .any(|l| l.tag == node_tag(&vol.volume_id, gen, "node-a")),
+        "A attached after the unpublish waited: {held:?}"
+    );
+    assert!(
+        held.iter().all(|l| is_fenced_device(l, SIZE as u64)),
+        "every holder is fenced: {held:?}"
+    );
+    assert!(condition(&rig, &vol.volume_id)
+        .await
+        .message
+        .contains("did not ask"));
+    let b = rig
+        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
+        .await
+        .expect("node B gets the volume");
+    assert!(b.generation() > gen, "node B writes a new generation");
+
+    stage_a.unstage(true).await;
+    drop(stage_a);
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// ControllerUnpublishVolume with `fence` for a node that has no attachment
+/// record (lost, or never written) while loop devices hold the generation:
+/// one tagged as that node's, one an admin's. Both are fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_for_a_node_without_a_record_fences_the_holders() {
+    require_root!();
+    let (env, rig) = start(&["node-b"]).await;
+    let cap = block_cap(Access::SingleNodeWriter);
+    let vol = rig.create("no-record", SIZE, &cap).await.volume_id;
+    let image = generation_path(&env, &vol, 1);
+    let (tagged, tagged_guard) = node_losetup(&image, &vol, "node-c", SIZE as u64);
+    let (admin, admin_guard) = admin_losetup(&image);
+    let devs: Vec<File> = [&tagged, &admin]
+        .iter()
+        .map(|l| open_rw(&l.device))
+        .collect();
+    // Positive control: both write the data.
+    for (i, d) in devs.iter().enumerate() {
+        assert_write_lands(&image, SIZE as u64, &format!("control: holder {i}"), || {
+            write_through(d, 0x30 + i as u8, (i as u64 + 1) << 20)
+                .expect("control: the holder writes")
+        });
+    }
+
+    rig.unpublish(&vol, "node-c", true)
+        .await
+        .expect("the fence is made");
+    for l in [&tagged, &admin] {
+        let now = loopdev::status(&l.device).unwrap();
+        assert!(is_fenced_device(&now, SIZE as u64), "fenced: {now:?}");
+    }
+    assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
+        for d in &devs {
+            assert_writes_fail(d, &[0, 1 << 20, SIZE as u64 - 4096], "fence");
+        }
+    });
+    let b = b_gets_a_new_generation(&env, &rig, &vol, &cap).await;
+
+    drop(devs);
+    drop(tagged_guard);
+    drop(admin_guard);
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// An image from before the trailer existed is exactly its data size, and an
+/// old node's device (no size limit) shows all of it. The fence must give
+/// the file a trailer while that device holds it and move the device there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_trailer_image_of_exactly_the_data_size_is_fenced() {
+    require_root!();
+    let (env, rig) = start(&["node-a", "node-b"]).await;
+    let cap = block_cap(Access::SingleNodeWriter);
+    let (vol, image) = published_to_a(&env, &rig, "pre-trailer", &cap).await;
+    // What an older controller left: no trailer at all.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap()
+        .set_len(SIZE as u64)
+        .unwrap();
+    let (old, guard) = node_losetup(&image, &vol, "node-a", 0);
+    assert_eq!(
+        old.size_bytes, SIZE as u64,
+        "the device shows exactly the data"
+    );
+    let dev = open_rw(&old.device);
+    assert_write_lands(&image, SIZE as u64, "control: it writes", || {
+        write_through(&dev, 0x42, SIZE as u64 - 4096).unwrap()
+    });
+
+    rig.unpublish(&vol, "node-a", true)
+        .await
+        .expect("the fence holds for an image without a trailer");
+    let now = loopdev::status(&old.device).unwrap();
+    assert!(
+        is_fenced_device(&now, SIZE as u64),
+        "moved into the new trailer: {now:?}"
+    );
+    assert!(
+        std::fs::metadata(&image).unwrap().len() > SIZE as u64,
+        "a trailer was added"
+    );
+    assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
+        assert_writes_fail(&dev, &[0, 4096, SIZE as u64 - 4096], "fence")
+    });
+    let b = b_gets_a_new_generation(&env, &rig, &vol, &cap).await;
+
+    drop(dev);
+    drop(guard);
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// A holder left over from an older driver's fence, on an xfs state dir.
+struct OldFence {
+    vol: String,
+    image: PathBuf,
+    /// Node A's device: recorded fenced away, still showing the data.
+    device: PathBuf,
+    _guard: Detach,
+}
+
+/// What a driver whose fence was `FS_IMMUTABLE_FL` alone left behind: the
+/// generation recorded fenced from node A (fenced_at, fenced-from mark, no
+/// attachment) with the flag set, but node A's loop device never remapped,
+/// still over the data. Made with today's fence, then undoing its remap
+/// (and its marker, which that driver did not write).
+async fn old_flag_only_fence(env: &Env, rig: &Rig, name: &str) -> OldFence {
+    let cap = block_cap(Access::SingleNodeWriter);
+    let (vol, image) = published_to_a(env, rig, name, &cap).await;
+    let (old, guard) = node_losetup(&image, &vol, "node-a", SIZE as u64);
+    rig.unpublish(&vol, "node-a", true).await.unwrap();
+    let undone = loopdev::remap(&old.device, 0, SIZE as u64).unwrap();
+    assert!(
+        !is_fenced_device(&undone, SIZE as u64) && undone.size_bytes == SIZE as u64,
+        "node A's device shows the data again: {undone:?}"
+    );
+    std::fs::remove_file(fencecsi_driver::fence::marker_path(&image)).unwrap();
+    assert!(
+        fencecsi_driver::fence::is_frozen(&image).unwrap(),
+        "the old fence's flag is set"
+    );
+    OldFence {
+        vol,
+        image,
+        device: old.device,
+        _guard: guard,
+    }
+}
+
+/// An xfs state dir (the immutable flag does not stop writes through an
+/// open file there) under `outer`, and an env on it.
+fn xfs_env(outer: &Env) -> Env {
+    let mnt = fencecsi_tests::backing_fs(outer, "xfs", 1 << 30);
+    let env = Env::new_in(&mnt);
+    assert_eq!(fencecsi_driver::fence::fs_name(env.path()), "xfs");
+    env
+}
+
+/// Ends a test on an [`OldFence`] whose volume was published to node B:
+/// detaches node A's device, unpublishes node B, then [`delete_and_stop`].
+async fn unpublish_b_delete_and_stop(env: &Env, rig: Rig, old: OldFence) {
+    let vol = old.vol.clone();
+    drop(old);
+    rig.unpublish(&vol, "node-b", false).await.unwrap();
+    delete_and_stop(env, rig, &vol).await;
+}
+
+/// Records `seqs` as they are in the first bytes of an image (a raw block
+/// volume: record `s` at `s * RECORD_SIZE`); those missing or damaged.
+fn missing_in(image: &Path, seqs: &[u64]) -> Vec<u64> {
+    use fencecsi_tests::records::{missing, RECORD_SIZE};
+    let Some(last) = seqs.iter().max().copied() else {
+        return Vec::new();
+    };
+    let mut buf = vec![0u8; (last as usize + 1) * RECORD_SIZE];
+    std::fs::File::open(image)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+    let lost = missing(&buf, last);
+    seqs.iter().copied().filter(|s| lost.contains(s)).collect()
+}
+
+/// A generation fenced by an older driver (flag only) with node A's device
+/// still writing its data, on xfs where the flag does not stop that. The
+/// publish to node B must fence that device before it copies the data: the
+/// copy is not torn, and nothing A writes from then on reaches the data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_fences_again_what_an_older_drivers_fence_left_writing() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let outer = Env::new();
+    let env = xfs_env(&outer);
+    // No background pass in between: the publish itself must find it.
+    let rig = Rig::start_with(&env, &["node-a", "node-b"], |c| {
+        c.gc_interval = Duration::from_secs(3600)
+    })
+    .await;
+    let old = old_flag_only_fence(&env, &rig, "old-fence-publish").await;
+    let h0 = region_hash(&old.image, SIZE as u64);
+    // Node A's application keeps writing fsync'ed records, and discards.
+    let writer = fencecsi_tests::writer::Writer::start(
+        Path::new(env!("CARGO_BIN_EXE_fencecsi-writer")),
+        &old.device,
+        false,
+        &["--churn", &(40u64 << 20).to_string()],
+    );
+    wait_until(30, "control: node A's writer runs", || writer.acked() >= 8).await;
+    assert_ne!(
+        region_hash(&old.image, SIZE as u64),
+        h0,
+        "control: through the old fence, node A still writes the data"
+    );
+
+    let cap = block_cap(Access::SingleNodeWriter);
+    let sent = fencecsi_tests::monotonic_ns();
+    let ctx = publish_to(&rig, &old.vol, "node-b", &cap).await;
+    let returned = fencecsi_tests::monotonic_ns();
+    let at = region_hash(&old.image, SIZE as u64);
+    let now = loopdev::status(&old.device).unwrap();
+    assert!(
+        is_fenced_device(&now, SIZE as u64),
+        "node A's device is remapped into the trailer: {now:?}"
+    );
+    let gen_b = ctx_generation(&ctx);
+    assert!(gen_b > 1, "node B gets a new generation");
+    let image_b = generation_path(&env, &old.vol, gen_b);
+    assert_eq!(
+        region_hash(&image_b, SIZE as u64),
+        at,
+        "node B's generation is the fenced data, not a torn copy"
+    );
+    wait_until(20, "node A's writer must fail after the publish", || {
+        writer.errors_since(returned) > 0
+    })
+    .await;
+    assert_eq!(
+        region_hash(&old.image, SIZE as u64),
+        at,
+        "nothing node A wrote after the publish reached the data"
+    );
+    let report = writer.finish();
+    assert!(
+        report
+            .churn
+            .iter()
+            .any(|c| c.kind == "discard" && c.ok && c.at < sent),
+        "control: a discard through the old fence zeroed data: {:?}",
+        report.churn
+    );
+    // Acknowledged before the publish was sent, or after it returned (then
+    // only if durable before the fence): on node B.
+    let owed: Vec<u64> = report
+        .acks
+        .iter()
+        .filter(|(_, t)| *t < sent || *t > returned)
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(
+        missing_in(&image_b, &owed),
+        Vec::<u64>::new(),
+        "acknowledged records missing on node B"
+    );
+
+    unpublish_b_delete_and_stop(&env, rig, old).await;
+}
+
+/// The same leftover found by a controller start: it is fenced before the
+/// controller serves, whatever is published next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_start_fences_again_what_an_older_drivers_fence_left_writing() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let outer = Env::new();
+    let env = xfs_env(&outer);
+    let mut rig = Rig::start(&env, &["node-a", "node-b"]).await;
+    let old = old_flag_only_fence(&env, &rig, "old-fence-start").await;
+    let dev = open_rw(&old.device);
+    assert_write_lands(
+        &old.image,
+        SIZE as u64,
+        "control: the write reached the data",
+        || {
+            write_through(&dev, 0x42, 1 << 20)
+                .expect("control: node A writes through the old fence")
+        },
+    );
+
+    rig.restart_controller(&env).await;
+    let now = loopdev::status(&old.device).unwrap();
+    assert!(
+        is_fenced_device(&now, SIZE as u64),
+        "remapped by the time the new controller serves: {now:?}"
+    );
+    let at = assert_data_unchanged(&old.image, SIZE as u64, "the data did not change", || {
+        assert_writes_fail(&dev, &[0, 1 << 20, SIZE as u64 - 4096], "start")
+    });
+    let cap = block_cap(Access::SingleNodeWriter);
+    let gen_b = ctx_generation(&publish_to(&rig, &old.vol, "node-b", &cap).await);
+    assert!(gen_b > 1, "node B gets a new generation");
+    assert_eq!(
+        region_hash(&generation_path(&env, &old.vol, gen_b), SIZE as u64),
+        at,
+        "node B's generation is the fenced data"
+    );
+
+    drop(dev);
+    unpublish_b_delete_and_stop(&env, rig, old).await;
 }

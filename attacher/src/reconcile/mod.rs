@@ -26,13 +26,14 @@ mod pv_finalizer;
 mod resolve;
 mod status;
 
-use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, PersistentVolume};
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSINode, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
+use fencecsi_cluster::kube::runtime::reflector::store::Writer;
+use fencecsi_cluster::kube::runtime::reflector::Store;
 use fencecsi_cluster::{object_ref, Api, EventRecorder, EventType};
 
 use crate::config::Config;
@@ -67,8 +68,11 @@ pub(crate) struct Ctx {
     pub pvs: Api<PersistentVolume>,
     pub nodes: Api<Node>,
     pub csinodes: Api<CSINode>,
-    /// VolumeAttachments of this driver, as last seen on the watch.
-    pub cache: RwLock<HashMap<String, Arc<VolumeAttachment>>>,
+    /// VolumeAttachments of this driver, as last seen on the watch (kube-runtime's
+    /// reflector store, written only by the watch consumer in run.rs).
+    pub cache: Store<VolumeAttachment>,
+    /// The store's one writer: held by the watch of the current session.
+    pub cache_writer: tokio::sync::Mutex<Writer<VolumeAttachment>>,
     /// Whether this instance may act (leads, or runs without election). Checked before
     /// every CSI call.
     pub may_act: Arc<dyn Fn() -> bool + Send + Sync>,

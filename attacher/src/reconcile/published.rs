@@ -22,16 +22,14 @@ impl Ctx {
         }
         let attached: Vec<_> = self
             .cache
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
+            .state()
+            .into_iter()
             .filter(|va| {
                 self.is_ours(va)
                     && va.metadata.deletion_timestamp.is_none()
                     && va.status.as_ref().is_some_and(|s| s.attached)
                     && has_finalizer(&va.metadata, &self.finalizer)
             })
-            .cloned()
             .collect();
         if attached.is_empty() {
             return Vec::new();

@@ -8,9 +8,8 @@ use super::{has_finalizer, Ctx};
 impl Ctx {
     /// Whether a VolumeAttachment of this driver (other than `except`) references `pv`.
     pub(super) fn pv_referenced(&self, pv: &str, except: Option<&str>) -> bool {
-        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
-        cache.iter().any(|(n, va)| {
-            Some(n.as_str()) != except
+        self.cache.state().iter().any(|va| {
+            va.metadata.name.as_deref() != except
                 && va.spec.source.persistent_volume_name.as_deref() == Some(pv)
         })
     }

@@ -49,8 +49,8 @@ pub(super) struct Obs {
 pub(super) type Shared = Arc<Mutex<Obs>>;
 
 pub(super) fn mark(o: &mut Obs, step: Step, t: f64, p: &Progress, detail: &str) {
-    if !o.steps.contains_key(&step) {
-        o.steps.insert(step, t);
+    if let std::collections::btree_map::Entry::Vacant(e) = o.steps.entry(step) {
+        e.insert(t);
         p.say(format!("STEP {:?}: {}{detail}", step, step.describe()));
     }
 }
@@ -299,8 +299,8 @@ async fn observe_once(
                 ),
                 _ => String::new(),
             };
-            if !o.steps.contains_key(&step) {
-                o.steps.insert(step, when);
+            if let std::collections::btree_map::Entry::Vacant(e) = o.steps.entry(step) {
+                e.insert(when);
                 progress.say(format!("STEP {step:?}: {}{detail}", step.describe()));
             }
         }

@@ -179,6 +179,52 @@ pub struct MetaStore {
     capacity: Mutex<()>,
 }
 
+/// An advisory `flock` on a volume's directory (`<state>/volumes/<id>`): the
+/// lock that makes a node's "the record publishes generation G to me" and its
+/// attach of G one step with respect to the controller's changes of the
+/// attachments. The controller holds it exclusive in ControllerPublish and
+/// ControllerUnpublish from its scan of the holders until the record is
+/// written; a node holds it shared from its re-read of the record until its
+/// loop device exists. So either the unpublish sees the node's device (and
+/// fences it), or the node sees the attachment gone (and attaches nothing).
+///
+/// Lock order: this lock first, then an image's `loopdev::BackingLock` (the
+/// fence and the node's attach take that one inside it). Nothing takes this
+/// lock while holding a `BackingLock` (`loopdev::detach`, the fence, stats),
+/// so the two cannot deadlock. The directory, not a file in it: the records
+/// are replaced by rename, and a node must not create files in the state dir.
+pub struct PublishLock {
+    _dir: std::fs::File,
+}
+
+impl PublishLock {
+    /// Waits for the lock on `id`'s directory (shared or exclusive). NotFound
+    /// when the volume has no directory (it does not exist).
+    pub fn take(state_dir: &Path, id: &VolumeId, exclusive: bool) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(state_dir.join("volumes").join(id.as_str()))?;
+        let op = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
+        loop {
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(dir.as_raw_fd(), op) } == 0 {
+                return Ok(PublishLock { _dir: dir });
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> std::io::Result<Option<T>> {
     match std::fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)

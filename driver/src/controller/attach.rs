@@ -6,7 +6,7 @@
 use fencecsi_proto::v1::*;
 
 use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
-use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
+use crate::backend::meta::{now_nanos, Attachment, Generation, PublishLock, VolumeMeta};
 use crate::backend::Backend;
 use crate::backend::DataRef;
 use crate::capability;
@@ -73,11 +73,14 @@ impl Controller {
                 req.node_id, a.readonly, a.block
             )));
         }
+        // From the holder scans below until the attachment is recorded: a
+        // node's stage checks its record and attaches under the same lock.
+        let _publish_lock = self.publish_lock(&id)?;
         self.lift_fenced_from(&id, &mut v, &req.node_id)?;
         let others: Vec<(&String, &Attachment)> = v.attachments.iter().collect();
-        if !others.is_empty()
-            && !(access.multi_node() && readonly && others.iter().all(|(_, a)| a.readonly))
-        {
+        let shared_read_only =
+            access.multi_node() && readonly && others.iter().all(|(_, a)| a.readonly);
+        if !others.is_empty() && !shared_read_only {
             return Err(CsiError::FailedPrecondition(format!(
                 "volume {id} is published to node {} and its access mode allows one node only",
                 others
@@ -110,6 +113,14 @@ impl Controller {
             || self.backend.fence_marked(&id, v.current_generation)
             || !self.backend.generation_exists(&id, v.current_generation)
         {
+            // The copy must not race a writer: a generation fenced by an
+            // older driver (flag only) or by a fence a crash interrupted may
+            // still have holders over its data.
+            let gen = v.current_generation;
+            if self.backend.generation_exists(&id, gen) {
+                let scan = self.backend.holders(&id, gen)?;
+                self.complete_fence(&id, &mut v, gen, &scan)?;
+            }
             self.new_generation(&id, &mut v)?;
         }
         let gen = v.current_generation;
@@ -124,6 +135,16 @@ impl Controller {
         self.persist(&v)?;
         tracing::info!(volume = %id, node = %req.node_id, generation = a.generation, readonly, "volume published");
         Ok(self.publish_context(&v, &a))
+    }
+
+    /// The volume's [`PublishLock`], exclusive.
+    fn publish_lock(&self, id: &VolumeId) -> CsiResult<PublishLock> {
+        PublishLock::take(&self.cfg.state_dir, id, true).map_err(|e| {
+            CsiError::internal(
+                "locking the volume's attachments against a concurrent stage",
+                e,
+            )
+        })
     }
 
     fn publish_context(&self, v: &VolumeMeta, a: &Attachment) -> ControllerPublishVolumeResponse {
@@ -212,6 +233,12 @@ impl Controller {
             tracing::info!(volume = %id, "unpublish of a volume that does not exist: nothing to do");
             return Ok(ControllerUnpublishVolumeResponse {});
         };
+        // Held from the holder scan until the record is written: a stage of
+        // a target node either attached before (seen and fenced below) or
+        // re-reads the record after and attaches nothing. Without it, such a
+        // stage could attach after a scan that found no holder, while a
+        // publish to another node hands out the same generation.
+        let _publish_lock = self.publish_lock(&id)?;
         let nodes: Vec<String> = if req.node_id.is_empty() {
             v.attachments.keys().cloned().collect()
         } else {
@@ -251,7 +278,7 @@ impl Controller {
             if req.fence && (attached || !held.is_empty()) {
                 plan.push((gen, None));
             } else if !held.is_empty()
-                && !(fenced && held.iter().all(|l| is_fenced_device(l, v.data_bytes(gen))))
+                && (!fenced || !held.iter().all(|l| is_fenced_device(l, v.data_bytes(gen))))
             {
                 let why = format!(
                     "fenced although the unpublish did not ask: the kernel shows {} still holding it ({})",
@@ -362,11 +389,7 @@ impl Controller {
         if strays.iter().all(|l| is_fenced_device(l, bytes)) {
             return Ok(());
         }
-        let devices = strays
-            .iter()
-            .map(|l| format!("{} ({})", l.device.display(), l.tag))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let devices = describe(&strays);
         if !self.fence_available() {
             return Err(CsiError::FailedPrecondition(format!(
                 "volume {id}: generation {gen} is held writable by {devices}, which no attachment entitles, and the fence is not available ({})",
@@ -397,8 +420,123 @@ impl Controller {
         Ok(())
     }
 
+    /// A generation recorded as fenced (or whose whole-generation fence was
+    /// started, see [`Backend::fence_marked`]) must have no writable holder
+    /// over its data. One fenced by an older driver has: that fence only set
+    /// the immutable flag, which xfs and btrfs do not check on an open file
+    /// and which no filesystem checks for discards. So does one whose fence a
+    /// crash interrupted. Such holders (found in `scan`, confirmed fresh) get
+    /// the current fence; Ok(true) when there were any.
+    fn complete_fence(
+        &self,
+        id: &VolumeId,
+        v: &mut VolumeMeta,
+        gen: u64,
+        scan: &[LoopInfo],
+    ) -> CsiResult<bool> {
+        let bytes = v.data_bytes(gen);
+        let open = |scan: &[LoopInfo]| {
+            writable_holders(&*self.backend, scan, id, gen, &|_| true)
+                .into_iter()
+                .filter(|l| !is_fenced_device(l, bytes))
+                .collect::<Vec<_>>()
+        };
+        if open(scan).is_empty() {
+            return Ok(false);
+        }
+        // `scan` may predate a fence made meanwhile: only what the kernel
+        // shows now counts.
+        let open = open(&self.backend.holders(id, gen)?);
+        if open.is_empty() {
+            return Ok(false);
+        }
+        let devices = describe(&open);
+        if !self.fence_available() {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id}: generation {gen} is recorded fenced but {devices} can still write its data, and the fence is not available ({})",
+                self.fence_unavailable_reason()
+            )));
+        }
+        let report = self
+            .fence_metrics
+            .time(|| self.backend.freeze(id, gen, bytes))?;
+        if let Some(g) = v.generations.get_mut(&gen) {
+            if g.fenced_at.is_none() {
+                // An interrupted fence, now complete: record it.
+                g.fenced_at = Some(now_nanos());
+                g.fenced_node = Some("unknown".into());
+                g.fence_reason = Some(format!("an interrupted fence completed: held by {devices}"));
+                self.persist(v)?;
+            }
+        }
+        tracing::warn!(volume = %id, generation = gen, devices = %devices, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, "write fence completed: the generation was fenced without remapping these holders (an older driver's flag-only fence, or an interrupted one); they are remapped into the trailer now");
+        Ok(true)
+    }
+
+    /// The start-up pass: completes the fence of every generation recorded
+    /// fenced whose holders can still write its data (see
+    /// [`Controller::complete_fence`]), before the controller serves.
+    /// Returns how many generations it fenced again.
+    pub(super) fn complete_fences(&self) -> usize {
+        let volumes: Vec<VolumeMeta> = self
+            .store
+            .volumes()
+            .into_iter()
+            .filter(|v| v.generations.values().any(|g| g.fenced_at.is_some()))
+            .collect();
+        if volumes.is_empty() {
+            return 0;
+        }
+        let snapshot = match self.backend.holder_snapshot() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot list loop devices: fenced generations not checked for holders an older fence left writable");
+                return 0;
+            }
+        };
+        let mut done = 0;
+        for meta in volumes {
+            let id = meta.volume_id();
+            let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
+                continue;
+            };
+            let Some(mut v) = self.store.volume(&id) else {
+                continue;
+            };
+            done += self.complete_fences_of(&id, &mut v, &snapshot);
+        }
+        done
+    }
+
+    /// [`Controller::complete_fence`] on each fenced generation of one
+    /// volume (its in-flight lock held); failures are logged.
+    fn complete_fences_of(
+        &self,
+        id: &VolumeId,
+        v: &mut VolumeMeta,
+        snapshot: &[LoopInfo],
+    ) -> usize {
+        let fenced: Vec<u64> = v
+            .generations
+            .iter()
+            .filter(|(_, g)| g.fenced_at.is_some())
+            .map(|(g, _)| *g)
+            .collect();
+        let mut done = 0;
+        for gen in fenced {
+            match self.complete_fence(id, v, gen, snapshot) {
+                Ok(fenced) => done += usize::from(fenced),
+                Err(e) => {
+                    tracing::error!(volume = %id, generation = gen, error = %e, "a fenced generation still has writable holders over its data and could not be fenced again")
+                }
+            }
+        }
+        done
+    }
+
     /// Deletes fenced, superseded generations nobody holds and lifts the
     /// matching fenced-from marks. Safe to run at any time; skips busy volumes.
+    /// Fences again first what [`Controller::complete_fence`] finds.
     pub fn collect_garbage(&self) -> usize {
         let mut removed = 0;
         // One scan of the loop devices per pass, and none when nothing is
@@ -430,6 +568,7 @@ impl Controller {
             let Some(mut v) = self.store.volume(&id) else {
                 continue;
             };
+            self.complete_fences_of(&id, &mut v, &snapshot);
             let candidates: Vec<u64> = v
                 .generations
                 .iter()
@@ -506,4 +645,13 @@ pub fn generation_from_context(
             CsiError::InvalidArgument(format!("publish_context generation {g:?} is not a number"))
         })
     })
+}
+
+/// Loop devices as a log and error text: "/dev/loopN (tag), ...".
+fn describe(devices: &[LoopInfo]) -> String {
+    devices
+        .iter()
+        .map(|l| format!("{} ({})", l.device.display(), l.tag))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

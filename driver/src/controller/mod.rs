@@ -126,7 +126,7 @@ impl Controller {
                 tracing::error!(state_dir = %cfg.state_dir.display(), filesystem = %crate::fence::fs_name(&cfg.state_dir), reason = %why, "fence NOT available: UNPUBLISH_FENCE is not advertised and fence requests will be refused")
             }
         }
-        Ok(Arc::new(Controller {
+        let c = Arc::new(Controller {
             owner: std::sync::Mutex::new(Some(owner)),
             cfg,
             store,
@@ -135,7 +135,17 @@ impl Controller {
             state_id,
             fence,
             fence_metrics: Default::default(),
-        }))
+        });
+        // Before anything is served: generations an older driver fenced with
+        // the immutable flag alone may still be written through their holders.
+        let refenced = c.complete_fences();
+        if refenced > 0 {
+            tracing::warn!(
+                generations = refenced,
+                "fenced generations whose holders could still write were fenced again at start-up"
+            );
+        }
+        Ok(c)
     }
 
     /// Lets a successor open the state dir. Called by the server once it has stopped (no

@@ -29,6 +29,7 @@ use std::path::PathBuf;
 
 use super::Controller;
 use crate::error::{CsiError, CsiResult};
+use crate::fsops::CloneKind;
 use crate::ids::VolumeId;
 use crate::mounts;
 
@@ -55,6 +56,20 @@ impl Drop for Quiesced {
                 tracing::debug!(mount = %path.display(), "filesystem thawed after the copy");
             }
         }
+    }
+}
+
+impl Quiesced {
+    /// Refuses a copy made while this lived that is not one instant: a plain
+    /// copy (say, the reflink failed and the backend fell back) of a volume
+    /// whose writers kept going. The caller removes what it made.
+    pub(crate) fn refuse_torn(&self, id: &VolumeId, made: CloneKind) -> CsiResult<()> {
+        if self.reflink_required && made != CloneKind::Reflink {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {id} is in use by writers that cannot be stopped, and the copy could not be made as a reflink: it would not be point-in-time"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -126,7 +141,7 @@ impl Controller {
 
     fn no_reflink_refusal(&self, id: &VolumeId, dev: &std::path::Path) -> CsiError {
         CsiError::FailedPrecondition(format!(
-            "volume {id} is in use through {} (a raw block volume, or a mount this controller cannot see) and the state dir's filesystem ({}) makes no reflinks: a copy now would not be point-in-time. Snapshot it when it is not in use, or keep the state dir on xfs or btrfs",
+            "volume {id} is in use through {} (a raw block volume, or a mount this controller cannot see) and the state dir's filesystem ({}) makes no reflinks: a copy now would not be point-in-time. Copy it (snapshot or clone) when it is not in use, or keep the state dir on xfs or btrfs",
             dev.display(),
             crate::fence::fs_name(&self.cfg.state_dir)
         ))
@@ -189,5 +204,33 @@ impl Controller {
             }
         }
         Ok(running)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quiesced(reflink_required: bool) -> Quiesced {
+        Quiesced {
+            frozen: Vec::new(),
+            reflink_required,
+        }
+    }
+
+    /// Snapshots and clones share this check: a plain copy of a volume whose
+    /// writers kept going is refused; with the writers stopped any copy is one
+    /// instant, and a reflink always is.
+    #[test]
+    fn a_plain_copy_of_a_running_volume_is_refused() {
+        let id = VolumeId::generate();
+        let e = quiesced(true)
+            .refuse_torn(&id, CloneKind::SparseCopy)
+            .unwrap_err();
+        assert!(matches!(e, CsiError::FailedPrecondition(_)), "{e:?}");
+        assert!(quiesced(true).refuse_torn(&id, CloneKind::Reflink).is_ok());
+        assert!(quiesced(false)
+            .refuse_torn(&id, CloneKind::SparseCopy)
+            .is_ok());
     }
 }

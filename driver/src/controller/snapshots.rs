@@ -93,13 +93,9 @@ impl Controller {
             // Writers stop (or the copy is a reflink) for the copy only.
             let quiet = self.quiesce(&vid, gen, bytes)?;
             let made = self.backend.snapshot(&vid, gen, bytes, &sid)?;
-            if quiet.reflink_required && made.0 != crate::fsops::CloneKind::Reflink {
-                // The reflink failed and a plain copy was made of a volume
-                // that kept writing: not one instant.
+            if let Err(e) = quiet.refuse_torn(&vid, made.0) {
                 let _ = self.backend.delete_snapshot(&sid);
-                return Err(CsiError::FailedPrecondition(format!(
-                    "volume {vid} is in use by writers that cannot be stopped, and the copy could not be made as a reflink: it would not be point-in-time"
-                )));
+                return Err(e);
             }
             made
         };

@@ -313,18 +313,34 @@ impl Controller {
                 )?)
             }
             Some(Source::Volume(raw)) => {
-                let (src, m) = self.existing_volume(raw)?;
+                let (src, _) = self.existing_volume(raw)?;
+                // As for a snapshot: the source's generation and size hold
+                // still (no fence, expansion or delete) during the copy.
+                let _src_lock = self.inflight.try_lock(src.as_str())?;
+                let m = self
+                    .store
+                    .volume(&src)
+                    .ok_or_else(|| CsiError::NotFound(format!("volume {raw} does not exist")))?;
                 let gen = m.current_generation;
                 let bytes = m.data_bytes(gen);
-                // A volume in use is copied at one instant (see quiesce).
-                let _quiet = self.quiesce(&src, gen, bytes)?;
-                Some(self.backend.clone_data(
-                    &DataRef::Generation(src, gen),
+                // A volume in use is copied at one instant (see quiesce), or
+                // the clone is refused and leaves nothing, as a snapshot is.
+                let quiet = self.quiesce(&src, gen, bytes).map_err(|e| match e {
+                    CsiError::FailedPrecondition(_) => self.abandon_create(&id, e),
+                    other => other,
+                })?;
+                let made = self.backend.clone_data(
+                    &DataRef::Generation(src.clone(), gen),
                     bytes,
                     &id,
                     1,
                     v.capacity_bytes,
-                )?)
+                )?;
+                if let Err(e) = quiet.refuse_torn(&src, made) {
+                    drop(quiet);
+                    return Err(self.abandon_create(&id, e));
+                }
+                Some(made)
             }
         };
         if let Some(g) = v.generations.get_mut(&1) {
@@ -334,6 +350,22 @@ impl Controller {
         v.state = VolumeState::Ready;
         self.persist(&v)?;
         Ok(v)
+    }
+
+    /// A creation refused for good (a copy that would not be point-in-time):
+    /// its record and any data go, so a torn copy is never found complete by
+    /// a retry (`clone_data` keeps a finished file) and no capacity stays
+    /// taken. A retried CreateVolume makes the volume anew. Returns `why`.
+    fn abandon_create(&self, id: &VolumeId, why: CsiError) -> CsiError {
+        match self.store.remove_volume(id) {
+            Ok(()) => {
+                tracing::info!(volume = %id, reason = %why, "volume creation refused; nothing kept")
+            }
+            Err(e) => {
+                tracing::warn!(volume = %id, error = %e, "cannot remove a refused creation; the next start removes it")
+            }
+        }
+        why
     }
 
     pub(super) fn delete_volume(

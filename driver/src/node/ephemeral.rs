@@ -475,6 +475,7 @@ impl Node {
                 direct_io: self.cfg.direct_io,
                 tag: eph.tag.clone(),
                 size_limit: params.size,
+                logical_block_size: 0,
             },
         )
         .map_err(|e| CsiError::internal(&format!("attaching {}", image.display()), e))?;

@@ -153,6 +153,7 @@ impl Node {
                 tag,
                 // The same window as the staged device: never the fence trailer.
                 size_limit: lo.size_limit,
+                logical_block_size: 0,
             },
         )
         .map_err(|e| CsiError::internal(&format!("attaching {} read-only", image.display()), e))?;

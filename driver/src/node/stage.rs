@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use fencecsi_proto::v1::*;
 
 use super::{loop_tag, remove_target, Node};
+use crate::backend::meta::{PublishLock, VolumeMeta};
 use crate::capability;
 use crate::controller::{attach::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 use crate::error::{CsiError, CsiResult};
@@ -102,9 +103,76 @@ impl Node {
             .read_meta(&id)?
             .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
 
-        // The controller's record, not the caller's context, says which
-        // generation this node may attach: a context naming another one
-        // (stale, or forged) would give two nodes the same bytes.
+        let (gen, recorded_ro) = self.published_generation(&id, &meta, &req.publish_context)?;
+        let readonly = recorded_ro
+            || req
+                .publish_context
+                .get(CTX_READONLY)
+                .is_some_and(|v| v == "true")
+            || access.read_only_mode();
+        let image = self.generation_path(&id, gen);
+        if !image.exists() {
+            return Err(CsiError::NotFound(format!(
+                "generation {gen} of volume {id} has no data at {}",
+                image.display()
+            )));
+        }
+
+        self.refuse_second_staging(&id, &staging)?;
+        crate::failpoint::pause("stage:before-attach", &staging.to_string_lossy());
+        let lo = {
+            // The record read above may be stale by now: an unpublish (with
+            // no holder to fence) and a publish to another node may have
+            // happened since. Checked again under the lock the controller
+            // holds for those, and attached before it is let go, so the
+            // controller either sees this device or this stage sees the change.
+            let _publish_lock =
+                PublishLock::take(&self.cfg.state_dir, &id, false).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        CsiError::NotFound(format!("volume {id} does not exist"))
+                    }
+                    _ => CsiError::internal("locking the volume's attachments", e),
+                })?;
+            let meta = self
+                .read_meta(&id)?
+                .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+            let now = self.published_generation(&id, &meta, &req.publish_context)?;
+            if now != (gen, recorded_ro) {
+                return Err(CsiError::FailedPrecondition(format!(
+                    "the controller changed the attachment of volume {id} to node {} while it was being staged; nothing was attached",
+                    self.node_id
+                )));
+            }
+            crate::failpoint::pause("stage:locked-before-attach", &staging.to_string_lossy());
+            let direct_io = meta.direct_io().unwrap_or(self.cfg.direct_io);
+            self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen), direct_io)?
+        };
+        crate::failpoint::hit("stage:after-attach");
+        if access.block {
+            self.stage_block(&id, &staging, &lo)?;
+        } else {
+            let fs = access
+                .fs_type
+                .clone()
+                .or_else(|| req.publish_context.get(CTX_FS_TYPE).cloned())
+                .unwrap_or_else(|| meta.fs_type.clone());
+            self.stage_fs(&staging, &lo, &fs, readonly, &access.mount_flags)?;
+        }
+        crate::failpoint::hit("stage:after-mount");
+        tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), staging = %staging.display(), block = access.block, readonly, "volume staged");
+        Ok(NodeStageVolumeResponse {})
+    }
+
+    /// The generation the controller's record publishes to this node, and
+    /// whether read-only. The record, not the caller's context, decides: a
+    /// context naming another generation (stale, or forged) would give two
+    /// nodes the same bytes. A fenced generation is refused.
+    fn published_generation(
+        &self,
+        id: &VolumeId,
+        meta: &VolumeMeta,
+        ctx: &std::collections::HashMap<String, String>,
+    ) -> CsiResult<(u64, bool)> {
         let recorded = meta.attachments.get(&self.node_id).ok_or_else(|| {
             CsiError::FailedPrecondition(format!(
                 "volume {id} is not published to node {} (ControllerPublishVolume first)",
@@ -112,7 +180,7 @@ impl Node {
             ))
         })?;
         let gen = recorded.generation;
-        if let Some(claimed) = generation_from_context(&req.publish_context) {
+        if let Some(claimed) = generation_from_context(ctx) {
             let claimed = claimed?;
             if claimed != gen {
                 return Err(CsiError::FailedPrecondition(format!(
@@ -130,38 +198,7 @@ impl Node {
                 "generation {gen} of volume {id} was fenced: this node's attachment was revoked; the volume must be published again"
             )));
         }
-        let readonly = recorded.readonly
-            || req
-                .publish_context
-                .get(CTX_READONLY)
-                .is_some_and(|v| v == "true")
-            || access.read_only_mode();
-        let image = self.generation_path(&id, gen);
-        if !image.exists() {
-            return Err(CsiError::NotFound(format!(
-                "generation {gen} of volume {id} has no data at {}",
-                image.display()
-            )));
-        }
-
-        self.refuse_second_staging(&id, &staging)?;
-        let direct_io = meta.direct_io().unwrap_or(self.cfg.direct_io);
-        let lo =
-            self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen), direct_io)?;
-        crate::failpoint::hit("stage:after-attach");
-        if access.block {
-            self.stage_block(&id, &staging, &lo)?;
-        } else {
-            let fs = access
-                .fs_type
-                .clone()
-                .or_else(|| req.publish_context.get(CTX_FS_TYPE).cloned())
-                .unwrap_or_else(|| meta.fs_type.clone());
-            self.stage_fs(&staging, &lo, &fs, readonly, &access.mount_flags)?;
-        }
-        crate::failpoint::hit("stage:after-mount");
-        tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), staging = %staging.display(), block = access.block, readonly, "volume staged");
-        Ok(NodeStageVolumeResponse {})
+        Ok((gen, recorded.readonly))
     }
 
     /// Reuses our loop device on this generation if a crashed attempt left
@@ -213,6 +250,7 @@ impl Node {
                 direct_io,
                 tag,
                 size_limit: data_bytes,
+                logical_block_size: 0,
             },
         )
         .map_err(|e| CsiError::internal(&format!("attaching {}", image.display()), e))

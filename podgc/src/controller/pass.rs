@@ -30,18 +30,18 @@ pub struct PassSummary {
     pub quarantined: usize,
 }
 
-/// A node podgc counts as down.
+/// A node podgc counts as down: the Suspect state of docs/lifecycle.md.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Down {
+pub(super) struct Suspect {
     /// Since when it counts as down (for disruption mode).
     since: Timestamp,
     /// When podgc may act on it.
     pub(super) act_at: Timestamp,
-    why: DownBy,
+    why: SuspectBy,
 }
 
 #[derive(Debug, Clone, Copy)]
-enum DownBy {
+enum SuspectBy {
     NotReady,
     /// The Lease, last seen renewed then.
     Lease(Timestamp),
@@ -58,26 +58,26 @@ impl Runner {
     ///   within seconds of the grace, long before NotReady.
     ///
     /// Neither clock starts before disruption mode last ended.
-    fn down(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Down> {
+    fn suspect(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Suspect> {
         let floor = |t: Timestamp| match self.clocks_restarted {
             Some(ended) if ended > t => ended,
             _ => t,
         };
         let by_condition = match info.ready {
-            Readiness::NotReady(t) => Some(Down {
+            Readiness::NotReady(t) => Some(Suspect {
                 since: floor(t),
                 act_at: floor(t) + sd(self.cfg.shutdown_grace),
-                why: DownBy::NotReady,
+                why: SuspectBy::NotReady,
             }),
             _ => None,
         };
         let by_lease = self.cfg.node_lease_grace.and_then(|g| {
             let l = self.caches.leases.get(name)?;
             let stale_at = floor(l.observed) + sd(g);
-            (stale_at <= now).then_some(Down {
+            (stale_at <= now).then_some(Suspect {
                 since: stale_at,
                 act_at: stale_at,
-                why: DownBy::Lease(floor(l.observed)),
+                why: SuspectBy::Lease(floor(l.observed)),
             })
         });
         match (by_condition, by_lease) {
@@ -95,11 +95,11 @@ impl Runner {
             nodes: self.caches.nodes.len(),
             ..Default::default()
         };
-        let unhealthy: Vec<(String, Down)> = self
+        let unhealthy: Vec<(String, Suspect)> = self
             .caches
             .nodes
             .iter()
-            .filter_map(|(n, i)| self.down(n, i, now).map(|d| (n.clone(), d)))
+            .filter_map(|(n, i)| self.suspect(n, i, now).map(|d| (n.clone(), d)))
             .collect();
         s.unhealthy = unhealthy.len();
         self.metrics.unhealthy_nodes.set(unhealthy.len() as i64);
@@ -152,11 +152,11 @@ impl Runner {
             self.in_disruption = false;
         }
         // Nodes still down start their grace now (see `down`).
-        let unhealthy: Vec<(String, Down)> = unhealthy
+        let unhealthy: Vec<(String, Suspect)> = unhealthy
             .into_iter()
             .filter_map(|(n, _)| {
                 let info = self.caches.nodes.get(&n)?;
-                Some((n.clone(), self.down(&n, info, now)?))
+                Some((n.clone(), self.suspect(&n, info, now)?))
             })
             .collect();
 
@@ -197,7 +197,7 @@ impl Runner {
             if now < down.act_at {
                 continue;
             }
-            if matches!(down.why, DownBy::Lease(_)) && !self.lease_still_stale(&name).await {
+            if matches!(down.why, SuspectBy::Lease(_)) && !self.lease_still_stale(&name).await {
                 continue;
             }
             if let Err(e) = self.handle_node(&name, &down, &mut s).await {
@@ -247,7 +247,7 @@ impl Runner {
     async fn handle_node(
         &mut self,
         node: &str,
-        down: &Down,
+        down: &Suspect,
         s: &mut PassSummary,
     ) -> anyhow::Result<()> {
         let pods = self
@@ -257,12 +257,12 @@ impl Runner {
             .await?
             .items;
         let why = match down.why {
-            DownBy::NotReady => format!(
+            SuspectBy::NotReady => format!(
                 "node {node} has been NotReady since {} (longer than the shutdown grace of {}s)",
                 down.since,
                 self.cfg.shutdown_grace.as_secs()
             ),
-            DownBy::Lease(renewed) => format!(
+            SuspectBy::Lease(renewed) => format!(
                 "node {node} has not renewed its Lease since {renewed} (longer than the node lease grace of {}s)",
                 self.cfg.node_lease_grace.unwrap_or_default().as_secs()
             ),

@@ -16,7 +16,6 @@ use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
 use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
 use fencecsi_cluster::{
     Cluster, EventRecorder, LeaderElector, LeaderHandle, WatchParams, WatchStream,
-    ELECTION_UNHEALTHY_AFTER,
 };
 use futures::StreamExt;
 use tokio::sync::{oneshot, watch};
@@ -207,7 +206,8 @@ impl PodGc {
             // Alive only while the election can work: a Lease it may not touch
             // must turn /healthz red, not leave a standby that never leads.
             match leader.as_ref() {
-                Some(l) if !l.healthy(ELECTION_UNHEALTHY_AFTER) => {
+                Some(l) if !l.healthy() => {
+                    self.liveness.fail();
                     tracing::error!(failing_for = ?l.elector().failing_for(), "leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
                 }
                 _ => self.liveness.stamp(),

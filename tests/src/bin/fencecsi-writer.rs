@@ -4,10 +4,14 @@
 //! trying (a real database would too) until killed or `--max-errors` is hit.
 //!
 //! With `--churn OFFSET` it also works a 64 KiB scratch area at OFFSET
-//! after every record: a pattern write, then (in turn) a discard and a
-//! write-zeroes (BLKDISCARD/BLKZEROOUT on a block device, fallocate
-//! punch-hole/zero-range on a file), so every kind of request is in flight
-//! when a fence lands. Their results are not reported: records are.
+//! after every record, in a cycle of four starting after record 0: a
+//! pattern write, a discard, a pattern write, a write-zeroes
+//! (BLKDISCARD/BLKZEROOUT on a block device, fallocate punch-hole/zero-range
+//! on a file), so every kind of request is in flight when a fence lands.
+//! Each discard and write-zeroes is reported as
+//! `churn discard|zero ok|err <monotonic ns>`: `ok` only when the call
+//! succeeded and the area, which held the pattern just before, reads back
+//! as zeros through the same descriptor (so it changed what lies below).
 //!
 //! usage: fencecsi-writer <path> [--direct] [--max-errors N] [--interval-ms N] [--churn OFFSET]
 
@@ -56,6 +60,8 @@ fn main() {
     let stdout = std::io::stdout();
     let mut errors = 0;
     let mut seq: u64 = 0;
+    // Whether the scratch area holds the pattern (the last churn write succeeded).
+    let mut primed = false;
     loop {
         buf.copy_from_slice(&record(seq));
         let result = file
@@ -80,7 +86,15 @@ fn main() {
         let _ = out.flush();
         drop(out);
         if let Some(at) = churn {
-            churn_once(&file, at, seq, buf);
+            if let Some((kind, outcome)) = churn_once(&file, at, seq, buf, &mut primed) {
+                let mut out = stdout.lock();
+                let (verdict, why) = match outcome {
+                    Ok(()) => ("ok", String::new()),
+                    Err(why) => ("err", why),
+                };
+                let _ = writeln!(out, "churn {kind} {verdict} {} {why}", monotonic_ns());
+                let _ = out.flush();
+            }
         }
         if !interval.is_zero() {
             std::thread::sleep(interval);
@@ -102,9 +116,16 @@ pub fn monotonic_ns() -> u64 {
 
 const SCRATCH: usize = 64 << 10;
 
-/// One step of scratch work (see the module docs); errors are expected
-/// after a fence and ignored.
-fn churn_once(file: &std::fs::File, at: u64, seq: u64, buf: &mut [u8]) {
+/// One step of scratch work (see the module docs). Returns the discard or
+/// write-zeroes it made, and Ok when it verifiably zeroed the pattern, else
+/// why not; failures are expected after a fence.
+fn churn_once(
+    file: &std::fs::File,
+    at: u64,
+    seq: u64,
+    buf: &mut [u8],
+    primed: &mut bool,
+) -> Option<(&'static str, Result<(), String>)> {
     use std::os::fd::AsRawFd;
     let block = file
         .metadata()
@@ -115,39 +136,53 @@ fn churn_once(file: &std::fs::File, at: u64, seq: u64, buf: &mut [u8]) {
         .unwrap_or(false);
     let fd = file.as_raw_fd();
     let range = [at, SCRATCH as u64];
-    match seq % 3 {
-        0 => {
-            buf.fill((seq as u8) | 1);
-            for i in 0..(SCRATCH / buf.len()) {
-                let _ = file.write_all_at(buf, at + (i * buf.len()) as u64);
-            }
-            let _ = file.sync_data();
-        }
-        1 if block => unsafe {
-            // SAFETY: ioctl on our fd with a valid 16-byte range.
-            libc::ioctl(fd, 0x1277 /* BLKDISCARD */, range.as_ptr());
-        },
-        2 if block => unsafe {
-            // SAFETY: as above.
-            libc::ioctl(fd, 0x127f /* BLKZEROOUT */, range.as_ptr());
-        },
-        1 => unsafe {
-            // SAFETY: fallocate on our fd.
-            libc::fallocate(
+    let pieces = SCRATCH / buf.len();
+    let step = seq % 4;
+    if step % 2 == 1 {
+        buf.fill((seq as u8) | 1);
+        *primed = (0..pieces).all(|i| file.write_all_at(buf, at + (i * buf.len()) as u64).is_ok())
+            && file.sync_data().is_ok();
+        return None;
+    }
+    let discard = step == 2;
+    // SAFETY: ioctl/fallocate on our fd, with a valid 16-byte range.
+    let rc = unsafe {
+        match (block, discard) {
+            (true, true) => libc::ioctl(fd, 0x1277 /* BLKDISCARD */, range.as_ptr()),
+            (true, false) => libc::ioctl(fd, 0x127f /* BLKZEROOUT */, range.as_ptr()),
+            (false, true) => libc::fallocate(
                 fd,
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
                 at as i64,
                 SCRATCH as i64,
-            );
-        },
-        _ => unsafe {
-            // SAFETY: as above.
-            libc::fallocate(fd, libc::FALLOC_FL_ZERO_RANGE, at as i64, SCRATCH as i64);
-        },
-    }
-    if seq % 3 != 0 {
-        let _ = file.sync_data();
-    }
+            ),
+            (false, false) => {
+                libc::fallocate(fd, libc::FALLOC_FL_ZERO_RANGE, at as i64, SCRATCH as i64)
+            }
+        }
+    };
+    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    let synced = file.sync_data();
+    // The pattern was there, so zeros read back mean the request took
+    // effect (both ioctls drop the block device's cache for the range).
+    let outcome = if !*primed {
+        Err("not-primed".to_string())
+    } else if rc != 0 {
+        Err(format!("errno={errno}"))
+    } else if let Err(e) = synced {
+        Err(format!("sync-errno={}", e.raw_os_error().unwrap_or(0)))
+    } else {
+        (0..pieces).try_for_each(|i| {
+            file.read_exact_at(buf, at + (i * buf.len()) as u64)
+                .map_err(|e| format!("read-errno={}", e.raw_os_error().unwrap_or(0)))?;
+            match buf.iter().position(|b| *b != 0) {
+                None => Ok(()),
+                Some(p) => Err(format!("nonzero-at={}", i * buf.len() + p)),
+            }
+        })
+    };
+    *primed = false;
+    Some((if discard { "discard" } else { "zero" }, outcome))
 }
 
 fn is_block(path: &str) -> bool {
