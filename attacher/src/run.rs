@@ -37,6 +37,9 @@ struct Session {
 
 impl Session {
     fn start(ctx: &Arc<Ctx>) -> Session {
+        // What the cache holds is from an earlier session until this one lists.
+        ctx.listed
+            .store(false, std::sync::atomic::Ordering::Release);
         let queue = Arc::new(WorkQueue::new(
             ctx.cfg.backoff,
             Some(ctx.metrics.queue_depth_gauge()),
@@ -136,6 +139,7 @@ async fn consume_watch(
                     cache.apply_watcher_event(&Event::InitApply(va));
                 }
                 cache.apply_watcher_event(&Event::InitDone);
+                ctx.listed.store(true, std::sync::atomic::Ordering::Release);
                 tracing::debug!(count = names.len(), "VolumeAttachments listed");
                 for n in names {
                     queue.add(&n);
@@ -358,6 +362,7 @@ pub(crate) async fn run(
         csinodes: cluster.api(None),
         cache,
         cache_writer: tokio::sync::Mutex::new(cache_writer),
+        listed: Default::default(),
         may_act,
         cfg: cfg.clone(),
     });

@@ -14,9 +14,8 @@ use fencecsi_attacher::{
     REASON_ATTACH_FAILED, REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION,
 };
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeSpec, PersistentVolume, Taint};
-use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
-use fencecsi_cluster::{well_known, Cluster, DeleteOptions, ListParams, WatchEvent, WatchParams};
+use fencecsi_cluster::{well_known, Cluster, DeleteOptions, WatchEvent, WatchParams};
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::controller::CTX_GENERATION;
 use fencecsi_driver::fsops::is_immutable;
@@ -47,25 +46,11 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 
 /// Reasons of the events recorded about `va`, in order.
 async fn event_reasons(cluster: &Cluster, va: &str) -> Vec<String> {
-    let mut evs: Vec<Event> = cluster
-        .api::<Event>(Some("default"))
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(va))
-        .collect();
-    evs.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
-    evs.into_iter().filter_map(|e| e.reason).collect()
+    va_event_reasons(cluster, va, None).await
 }
 
 async fn wait_event(cluster: &Cluster, va: &str, reason: &str) -> Vec<String> {
-    eventually(T, &format!("event {reason} on {va}"), || async {
-        let r = event_reasons(cluster, va).await;
-        r.iter().any(|x| x == reason).then_some(r)
-    })
-    .await
+    wait_va_event(cluster, va, reason, None, T).await
 }
 
 /// A plugin in "all" mode serving node-a, a cluster with node-a (Ready) registered, and

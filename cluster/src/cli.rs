@@ -89,19 +89,16 @@ fn own_namespace_from(file: &std::path::Path) -> String {
 /// The API-server connection flag, the same in every binary that talks to one.
 #[derive(Debug, Clone, Default, Args)]
 pub struct KubeArgs {
-    /// Kubeconfig to use; default: the in-cluster configuration, else $KUBECONFIG or
-    /// ~/.kube/config.
-    #[arg(long, env = "KUBECONFIG")]
+    /// Kubeconfig file to use; default: $KUBECONFIG (all of its paths) or
+    /// ~/.kube/config, else the in-cluster configuration.
+    #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
 }
 
 impl KubeArgs {
     /// A client for the API server these flags name.
     pub async fn connect(&self) -> crate::Result<crate::Cluster> {
-        match &self.kubeconfig {
-            Some(path) => crate::Cluster::from_kubeconfig(path).await,
-            None => Ok(crate::Cluster::kube(kube::Client::try_default().await?)),
-        }
+        crate::Cluster::connect(self.kubeconfig.as_deref()).await
     }
 }
 

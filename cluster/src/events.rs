@@ -131,11 +131,15 @@ impl EventRecorder {
                 note: Some(truncate(message, NOTE_MAX)),
                 secondary: None,
             };
+            // kube-runtime files an Event about a cluster-scoped object (no
+            // namespace) in "default", where kubectl looks, and keeps the
+            // reference's empty namespace, which `kubectl describe` matches.
+            // Its series key compares whole references: without the
+            // resourceVersion, a repeat after a status write still joins the
+            // series. As in client-go, the note is not part of the key: a
+            // series shows the first message and a count.
             let mut regarding = regarding.clone();
-            // Cluster-scoped objects' events go to "default", where kubectl looks.
-            if regarding.namespace.as_deref().is_none_or(str::is_empty) {
-                regarding.namespace = Some("default".into());
-            }
+            regarding.resource_version = None;
             return Ok(rec.publish(&ev, &regarding).await?);
         }
         let namespace = regarding

@@ -125,6 +125,15 @@ impl LeaderElector {
         if cfg.identity.is_empty() {
             return Err(Error::Invalid("identity must not be empty".into()));
         }
+        // A healthy candidate gets an answer every retry period; a limit that
+        // short would report it unhealthy between two rounds.
+        if cfg.unhealthy_after <= cfg.retry_period * 2 {
+            return Err(Error::Invalid(format!(
+                "the election's unhealthy-after ({:?}) must be longer than two retry periods ({:?})",
+                cfg.unhealthy_after,
+                cfg.retry_period * 2
+            )));
+        }
         Ok(LeaderElector {
             api: cluster.api::<Lease>(Some(&cfg.namespace)),
             cfg,

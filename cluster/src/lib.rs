@@ -66,6 +66,7 @@ mod params;
 mod selector;
 #[cfg(feature = "embedded")]
 pub mod sim;
+pub mod watch_pacing;
 pub mod well_known;
 
 use std::path::Path;
@@ -138,14 +139,33 @@ impl Cluster {
 
     /// A real API server from a kubeconfig file (its current context).
     pub async fn from_kubeconfig(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let kc = kube::config::Kubeconfig::read_from(path)
-            .map_err(|e| Error::Other(format!("reading kubeconfig {}: {e}", path.display())))?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+        Self::connect(Some(path.as_ref())).await
+    }
+
+    /// A real API server: the kubeconfig file given, else kube's usual
+    /// search ($KUBECONFIG, ~/.kube/config, then the in-cluster
+    /// configuration). The client paces its watches (see `watch_pacing`).
+    pub async fn connect(kubeconfig: Option<&Path>) -> Result<Self> {
+        let config = match kubeconfig {
+            Some(path) => {
+                let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| {
+                    Error::Other(format!("reading kubeconfig {}: {e}", path.display()))
+                })?;
+                kube::Config::from_custom_kubeconfig(
+                    kc,
+                    &kube::config::KubeConfigOptions::default(),
+                )
                 .await
-                .map_err(|e| Error::Other(format!("loading kubeconfig {}: {e}", path.display())))?;
-        let client = kube::Client::try_from(config).map_err(Error::from)?;
+                .map_err(|e| Error::Other(format!("loading kubeconfig {}: {e}", path.display())))?
+            }
+            None => kube::Config::infer()
+                .await
+                .map_err(|e| Error::Other(format!("no cluster configuration: {e}")))?,
+        };
+        let client = kube::client::ClientBuilder::try_from(config)
+            .map_err(Error::from)?
+            .with_layer(&watch_pacing::PaceWatches::default())
+            .build();
         Ok(Self::kube(client))
     }
 

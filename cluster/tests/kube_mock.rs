@@ -266,8 +266,11 @@ async fn a_repeated_event_becomes_a_series() {
         },
         ..Default::default()
     };
-    let r = fencecsi_cluster::object_ref(&va);
-    for _ in 0..2 {
+    let mut r = fencecsi_cluster::object_ref(&va);
+    for rv in ["5", "6"] {
+        // A status write between two repeats changes the object's
+        // resourceVersion; the repeat still joins the series.
+        r.resource_version = Some(rv.into());
         rec.record(
             &r,
             fencecsi_cluster::EventType::Warning,
@@ -302,10 +305,72 @@ async fn a_repeated_event_becomes_a_series() {
     assert_eq!(first["reason"], "FenceFailed");
     assert_eq!(first["reportingController"], "fencecsi.io/test");
     assert_eq!(first["regarding"]["uid"], "u-1");
+    // A cluster-scoped object's reference keeps its empty namespace (what
+    // `kubectl describe` matches); the Event itself lives in "default".
+    assert!(first["regarding"].get("namespace").is_none(), "{first}");
     assert_eq!(patch["series"]["count"], 2, "{patch}");
     assert!(log[1]
         .uri
         .contains(first["metadata"]["name"].as_str().unwrap()));
+}
+
+/// A server (or proxy) that ends every watch at once: kube-runtime reopens it
+/// without an error, so only the client's pacing keeps it from a busy loop.
+#[tokio::test]
+async fn a_watch_closed_at_once_is_reopened_at_most_once_a_second() {
+    async fn watch_requests_in(paced: bool, window: Duration) -> usize {
+        let log = Arc::new(Mutex::new(Vec::<String>::new()));
+        let l = log.clone();
+        let svc = tower::service_fn(move |req: Request<Body>| {
+            let l = l.clone();
+            async move {
+                let uri = req.uri().to_string();
+                let body = if uri.contains("watch=true") {
+                    l.lock().unwrap().push(uri);
+                    String::new()
+                } else {
+                    list(vec![], "1", None)
+                };
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(200)
+                        .header("content-type", "application/json")
+                        .body(Body::from(body.into_bytes()))
+                        .unwrap(),
+                )
+            }
+        });
+        let builder = fencecsi_cluster::kube::client::ClientBuilder::new(svc, "default");
+        let client = if paced {
+            builder
+                .with_layer(&fencecsi_cluster::watch_pacing::PaceWatches::default())
+                .build()
+        } else {
+            builder.build()
+        };
+        let vas = Cluster::kube(client).api::<VolumeAttachment>(None);
+        let mut w = vas.watch(&WatchParams::default()).unwrap();
+        let WatchEvent::Listed(_) = next(&mut w).await else {
+            panic!("first is Listed")
+        };
+        // Nothing else ever arrives; the stream keeps reopening meanwhile.
+        let _ = tokio::time::timeout(window, w.next()).await;
+        let n = log.lock().unwrap().len();
+        n
+    }
+    let window = Duration::from_millis(2500);
+    let paced = watch_requests_in(true, window).await;
+    assert!(
+        (1..=4).contains(&paced),
+        "{paced} watch requests in {window:?} with pacing"
+    );
+    // Control: without the layer, the same stream re-sends the watch
+    // continuously.
+    let unpaced = watch_requests_in(false, window).await;
+    assert!(
+        unpaced > 20,
+        "only {unpaced} watch requests in {window:?} without pacing"
+    );
 }
 
 #[tokio::test]

@@ -77,17 +77,21 @@ fn main() {
     if cli.production {
         opts = opts.production();
     }
-    // A step waits out one grace at a time; a timeout no longer than a grace can
-    // never succeed, so it is refused before anything starts.
-    let longest = opts.node_monitor_grace.max(opts.podgc_shutdown_grace);
-    if opts.step_timeout <= longest {
+    // The failover step waits at least until podgc may act: on the Lease
+    // going stale, or on NotReady plus podgc's grace, whichever comes first.
+    // A timeout no longer than that can never succeed, so it is refused
+    // before anything starts.
+    let earliest = opts
+        .podgc_lease_grace
+        .min(opts.node_monitor_grace + opts.podgc_shutdown_grace);
+    if opts.step_timeout <= earliest {
         use clap::CommandFactory;
         Cli::command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
                 format!(
-                    "--step-timeout {} s is not longer than the {:?} grace a step waits out",
-                    cli.step_timeout, longest
+                    "--step-timeout {:?} is not longer than the {earliest:?} podgc waits at least before it acts",
+                    opts.step_timeout
                 ),
             )
             .exit();

@@ -1,17 +1,16 @@
 //! podgc on the embedded cluster: no driver, no attacher.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
+use common::*;
 use fencecsi_cluster::k8s_openapi::api::core::v1::{
-    CSIPersistentVolumeSource, Node, NodeCondition, PersistentVolume, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod,
-    PodSpec, Taint, Volume,
+    Node, NodeCondition, PersistentVolume, PersistentVolumeClaim, Pod, Taint, Volume,
 };
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
-use fencecsi_cluster::k8s_openapi::api::storage::v1::{
-    CSIDriver, CSIDriverSpec, VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec,
-};
+use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::sim::{self, ready_node};
@@ -75,70 +74,24 @@ async fn pod(
         let claim = format!("data-{name}");
         let handle = format!("handle-{name}");
         c.api::<PersistentVolume>(None)
-            .create(&PersistentVolume {
-                metadata: meta(&pv, None),
-                spec: Some(PersistentVolumeSpec {
-                    access_modes: Some(vec![mode.into()]),
-                    csi: Some(CSIPersistentVolumeSource {
-                        driver: driver.into(),
-                        volume_handle: handle.clone(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                status: None,
-            })
+            .create(&csi_pv(meta(&pv, None), driver, &handle, mode))
             .await
             .unwrap();
         c.api::<PersistentVolumeClaim>(Some(NS))
-            .create(&PersistentVolumeClaim {
-                metadata: meta(&claim, Some(NS)),
-                spec: Some(PersistentVolumeClaimSpec {
-                    access_modes: Some(vec![mode.into()]),
-                    volume_name: Some(pv.clone()),
-                    ..Default::default()
-                }),
-                status: None,
-            })
+            .create(&bound_claim(meta(&claim, Some(NS)), &pv, mode))
             .await
             .unwrap();
         let va = volume_attachment_name(&handle, driver, node);
         c.api::<VolumeAttachment>(None)
-            .create(&VolumeAttachment {
-                metadata: meta(&va, None),
-                spec: VolumeAttachmentSpec {
-                    attacher: driver.into(),
-                    node_name: node.into(),
-                    source: VolumeAttachmentSource {
-                        persistent_volume_name: Some(pv),
-                        ..Default::default()
-                    },
-                },
-                status: None,
-            })
+            .create(&volume_attachment(meta(&va, None), driver, node, &pv))
             .await
             .unwrap();
-        volumes.push(Volume {
-            name: "data".into(),
-            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                claim_name: claim,
-                read_only: None,
-            }),
-            ..Default::default()
-        });
+        volumes.push(claim_volume(&claim));
         va_name = Some(va);
     }
     let p = c
         .api::<Pod>(Some(NS))
-        .create(&Pod {
-            metadata: meta(name, Some(NS)),
-            spec: Some(PodSpec {
-                node_name: Some(node.into()),
-                volumes: Some(volumes),
-                ..Default::default()
-            }),
-            status: None,
-        })
+        .create(&pod_on(meta(name, Some(NS)), node, volumes))
         .await
         .unwrap();
     (p, va_name)
@@ -207,17 +160,6 @@ async fn passes(h: &PodGcHandle, n: usize) {
     for _ in 0..n {
         h.next_pass().await;
     }
-}
-
-fn has_taint(n: &Node, key: &str) -> bool {
-    n.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == key))
-}
-
-fn annotation<'a>(n: &'a Node, key: &str) -> Option<&'a String> {
-    n.metadata.annotations.as_ref().and_then(|a| a.get(key))
 }
 
 async fn events(c: &Cluster, reason: &str) -> Vec<Event> {

@@ -8,6 +8,7 @@
 //! the files can be removed. Nothing outside the temp dir is touched.
 
 pub mod bench;
+pub mod real_cluster;
 pub mod records;
 pub mod recovering;
 pub mod rig;
@@ -574,4 +575,20 @@ pub fn backing_fs(outer: &Env, kind: &str, size: u64) -> PathBuf {
     std::fs::create_dir_all(&mnt).unwrap();
     fencecsi_driver::mounts::mount_device(&lo.device, &mnt, kind, &[], false).unwrap();
     mnt
+}
+
+/// Whether /proc/locks shows a waiter blocked on an flock of `path`.
+pub fn flock_waiter_on(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).unwrap();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(m.dev()),
+        libc::minor(m.dev()),
+        m.ino()
+    );
+    std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("->") && l.contains("FLOCK") && l.split_whitespace().any(|f| f == want))
 }

@@ -156,12 +156,7 @@ impl Rig {
     ) -> Result<Placement, Status> {
         let ctx = retry_aborted(|| {
             let mut c = self.controller.clone();
-            let req = csi::ControllerPublishVolumeRequest {
-                volume_id: volume_id.into(),
-                node_id: node.into(),
-                volume_capability: Some(cap.clone()),
-                ..Default::default()
-            };
+            let req = publish_request(volume_id, node, cap);
             async move { c.controller.controller_publish_volume(req).await }
         })
         .await?
@@ -192,6 +187,22 @@ impl Rig {
             cap: cap.clone(),
             publish_context: ctx,
         })
+    }
+
+    /// ControllerPublish of `volume_id` to `node`, once (an ABORTED comes back as the
+    /// answer, unlike in [`Rig::attach`]): the publish context.
+    pub async fn publish(
+        &self,
+        volume_id: &str,
+        node: &str,
+        cap: &csi::VolumeCapability,
+    ) -> Result<HashMap<String, String>, Status> {
+        self.controller
+            .clone()
+            .controller
+            .controller_publish_volume(publish_request(volume_id, node, cap))
+            .await
+            .map(|r| r.into_inner().publish_context)
     }
 
     /// NodeUnpublish and NodeUnstage (with or without force).
@@ -294,6 +305,20 @@ pub fn create_request(
             limit_bytes: 0,
         }),
         volume_capabilities: vec![cap.clone()],
+        ..Default::default()
+    }
+}
+
+/// The ControllerPublishVolumeRequest of `volume_id` to `node` as `cap`.
+pub fn publish_request(
+    volume_id: &str,
+    node: &str,
+    cap: &csi::VolumeCapability,
+) -> csi::ControllerPublishVolumeRequest {
+    csi::ControllerPublishVolumeRequest {
+        volume_id: volume_id.into(),
+        node_id: node.into(),
+        volume_capability: Some(cap.clone()),
         ..Default::default()
     }
 }

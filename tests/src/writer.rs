@@ -14,6 +14,8 @@ use crate::monotonic_ns;
 #[derive(Default)]
 pub struct WriterLog {
     acks: Mutex<Vec<(u64, u64)>>,
+    /// (seq, CLOCK_MONOTONIC ns when its write began), for acknowledged records.
+    starts: Mutex<Vec<(u64, u64)>>,
     errors: Mutex<Vec<(u64, i32, u64)>>,
     churn: Mutex<Vec<Churn>>,
 }
@@ -36,6 +38,8 @@ pub struct Churn {
 pub struct WriterReport {
     /// Acknowledged records: (seq, CLOCK_MONOTONIC ns).
     pub acks: Vec<(u64, u64)>,
+    /// The same records: (seq, CLOCK_MONOTONIC ns when the write began).
+    pub starts: Vec<(u64, u64)>,
     pub errors: usize,
     pub churn: Vec<Churn>,
 }
@@ -86,11 +90,15 @@ impl Writer {
                     continue;
                 }
                 match (kind, seq) {
-                    (Some("ok"), Some(seq)) => l
-                        .acks
-                        .lock()
-                        .unwrap()
-                        .push((seq, third.unwrap_or(0) as u64)),
+                    (Some("ok"), Some(seq)) => {
+                        l.acks
+                            .lock()
+                            .unwrap()
+                            .push((seq, third.unwrap_or(0) as u64));
+                        if let Some(start) = parts.next().and_then(|s| s.parse::<u64>().ok()) {
+                            l.starts.lock().unwrap().push((seq, start));
+                        }
+                    }
                     (Some("err"), Some(seq)) => l.errors.lock().unwrap().push((
                         seq,
                         third.unwrap_or(0) as i32,
@@ -136,6 +144,7 @@ impl Writer {
         }
         WriterReport {
             acks: self.log.acks.lock().unwrap().clone(),
+            starts: self.log.starts.lock().unwrap().clone(),
             errors: self.log.errors.lock().unwrap().len(),
             churn: self.log.churn.lock().unwrap().clone(),
         }

@@ -391,3 +391,102 @@ async fn live_snapshot_on_xfs_backing() {
 async fn live_snapshot_on_btrfs_backing() {
     live("btrfs").await;
 }
+
+/// A volume published to a node but not yet staged has no holder to freeze
+/// or to reflink around, so a stage that started during the copy would write
+/// into it (here: mkfs). The copy holds the volume's publish lock, so such a
+/// stage waits for it: the snapshot is the volume before the stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_waits_for_a_snapshot_being_copied() {
+    require_root!();
+    let env = Env::new();
+    let rig = Rig::start(&env, &["node-a"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = rig.create("copy-vs-stage", SIZE, &cap).await.volume_id;
+    let ctx = rig.publish(&vol, "node-a", &cap).await.unwrap();
+    // ext4's magic at byte 1080 of the volume: there once the stage made the
+    // filesystem, absent from a fresh volume.
+    let has_ext4 = |bytes: &[u8]| bytes.len() > 1081 && bytes[1080..1082] == [0x53, 0xef];
+    assert!(
+        !has_ext4(&data_of(&env, &vol)),
+        "a fresh volume has no filesystem"
+    );
+
+    let paused = fencecsi_driver::failpoint::arm_pause("snapshot:before-copy", &vol);
+    let snap = {
+        let (rig_c, vol) = (rig.controller.clone(), vol.clone());
+        tokio::spawn(async move {
+            rig_c
+                .clone()
+                .controller
+                .create_snapshot(csi::CreateSnapshotRequest {
+                    name: "copy-vs-stage".into(),
+                    source_volume_id: vol,
+                    ..Default::default()
+                })
+                .await
+                .map(|r| r.into_inner().snapshot.unwrap())
+        })
+    };
+    let reached = tokio::task::spawn_blocking({
+        let p = paused;
+        move || (p.wait_reached(Duration::from_secs(30)), p)
+    });
+    let (ok, paused) = reached.await.unwrap();
+    assert!(ok, "the snapshot reached its copy");
+    let staging = env.staging_path("node-a", &vol);
+    let stage = {
+        let mut node = rig.node("node-a");
+        let req = fencecsi_tests::rig::stage_request(&vol, &staging, &cap, &ctx);
+        tokio::spawn(async move { node.node.node_stage_volume(req).await })
+    };
+    // The kernel shows the stage blocked on the volume's lock.
+    let vol_dir = env.state_dir().join("volumes").join(&vol);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !fencecsi_tests::flock_waiter_on(&vol_dir) {
+        assert!(
+            Instant::now() < deadline,
+            "the stage must wait for the copy"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    paused.release();
+    let snap = snap.await.unwrap().expect("the snapshot is made");
+    stage
+        .await
+        .unwrap()
+        .expect("the stage goes on after the copy");
+    drop(paused);
+    // Positive control: the stage did write the volume...
+    assert!(
+        has_ext4(&data_of(&env, &vol)),
+        "control: the stage made a filesystem"
+    );
+    // ...after the copy, which is the volume as it was before.
+    let copy = std::fs::read(
+        env.state_dir()
+            .join("snapshots")
+            .join(&snap.snapshot_id)
+            .join("data.img"),
+    )
+    .unwrap();
+    assert!(
+        !has_ext4(&copy),
+        "the snapshot holds what the stage wrote later"
+    );
+
+    rig.node("node-a")
+        .node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: vol.clone(),
+            staging_target_path: staging.to_string_lossy().into(),
+            force: false,
+        })
+        .await
+        .unwrap();
+    rig.unpublish(&vol, "node-a", false).await.unwrap();
+    delete_snapshot(&rig, snap.snapshot_id).await;
+    rig.delete(&vol).await.unwrap();
+    rig.stop().await;
+    env.assert_clean();
+}

@@ -624,22 +624,6 @@ async fn a_stage_whose_attachment_moved_before_its_attach_is_refused() {
     detach_delete_and_stop(&env, rig, &b).await;
 }
 
-/// Whether /proc/locks shows a waiter blocked on an flock of `path`.
-fn flock_waiter_on(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).unwrap();
-    let want = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(m.dev()),
-        libc::minor(m.dev()),
-        m.ino()
-    );
-    std::fs::read_to_string("/proc/locks")
-        .unwrap()
-        .lines()
-        .any(|l| l.contains("->") && l.contains("FLOCK") && l.split_whitespace().any(|f| f == want))
-}
-
 /// The other half of the same lock: a stage that passed its check under the
 /// lock holds it until its device exists, so an unpublish waits for it,
 /// then sees the device and fences it; node B gets a new generation.
@@ -681,7 +665,7 @@ async fn an_unpublish_waits_for_a_checked_stage_and_fences_it() {
     wait_until(
         30,
         "the unpublish must wait for the stage that holds the lock",
-        || flock_waiter_on(&vol_dir),
+        || fencecsi_tests::flock_waiter_on(&vol_dir),
     )
     .await;
     // A's stage may fail in mkfs or mount once fenced: either way its device

@@ -73,6 +73,11 @@ pub(crate) struct Ctx {
     pub cache: Store<VolumeAttachment>,
     /// The store's one writer: held by the watch of the current session.
     pub cache_writer: tokio::sync::Mutex<Writer<VolumeAttachment>>,
+    /// Whether this session's watch has listed VolumeAttachments. Until it
+    /// has, the cache is empty or left from an earlier session, and nothing
+    /// may be concluded from what it lacks (a PV finalizer removed, an
+    /// attachment judged lost).
+    pub listed: std::sync::atomic::AtomicBool,
     /// Whether this instance may act (leads, or runs without election). Checked before
     /// every CSI call.
     pub may_act: Arc<dyn Fn() -> bool + Send + Sync>,

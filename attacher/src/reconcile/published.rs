@@ -17,7 +17,10 @@ impl Ctx {
     /// them). Only attachments that were already attached before the listing began are
     /// judged, so a publish that finishes during the listing is not mistaken for a loss.
     pub(crate) async fn check_published(&self) -> Vec<String> {
-        if !self.caps().list_published || !(self.may_act)() {
+        if !self.caps().list_published
+            || !(self.may_act)()
+            || !self.listed.load(std::sync::atomic::Ordering::Acquire)
+        {
             return Vec::new();
         }
         let attached: Vec<_> = self

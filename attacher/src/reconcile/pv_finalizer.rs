@@ -47,6 +47,9 @@ impl Ctx {
     /// Removes this driver's finalizer from PVs no VolumeAttachment of the driver
     /// references any more (e.g. after two detaches raced). Part of the resync.
     pub(crate) async fn sweep_pv_finalizers(&self) {
+        if !self.listed.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         let fin = self.finalizer.clone();
         let pvs = match self
             .pvs

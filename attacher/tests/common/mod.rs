@@ -21,6 +21,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use fencecsi_cluster::{well_known, Cluster};
 use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::real_cluster::events_about;
 use fencecsi_tests::{block_cap, csi, mount_cap, Access};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -251,6 +252,34 @@ pub async fn wait_gone(cluster: &Cluster, name: &str, timeout: Duration) {
     eventually(timeout, &format!("VolumeAttachment {name} deleted"), || {
         let vas = vas.clone();
         async move { vas.get_opt(name).await.unwrap().is_none().then_some(()) }
+    })
+    .await
+}
+
+/// Reasons of the Events about the VolumeAttachment `va`, oldest first; with `controller`,
+/// only those it reported.
+pub async fn va_event_reasons(
+    cluster: &Cluster,
+    va: &str,
+    controller: Option<&str>,
+) -> Vec<String> {
+    let mut evs = events_about(cluster, va, controller).await;
+    evs.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    evs.into_iter().filter_map(|e| e.reason).collect()
+}
+
+/// Waits until there is an Event `reason` about `va` (reported by `controller`, if given);
+/// returns [`va_event_reasons`] then.
+pub async fn wait_va_event(
+    cluster: &Cluster,
+    va: &str,
+    reason: &str,
+    controller: Option<&str>,
+    timeout: Duration,
+) -> Vec<String> {
+    eventually(timeout, &format!("event {reason} on {va}"), || async {
+        let r = va_event_reasons(cluster, va, controller).await;
+        r.iter().any(|x| x == reason).then_some(r)
     })
     .await
 }

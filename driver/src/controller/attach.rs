@@ -441,13 +441,25 @@ impl Controller {
                 .filter(|l| !is_fenced_device(l, bytes))
                 .collect::<Vec<_>>()
         };
-        if open(scan).is_empty() {
-            return Ok(false);
-        }
         // `scan` may predate a fence made meanwhile: only what the kernel
         // shows now counts.
-        let open = open(&self.backend.holders(id, gen)?);
+        let open = if open(scan).is_empty() {
+            Vec::new()
+        } else {
+            open(&self.backend.holders(id, gen)?)
+        };
         if open.is_empty() {
+            // A fence a crash interrupted after it had moved every holder:
+            // recorded now, so the generation is superseded and collected
+            // like any fenced one instead of kept (and counted) forever.
+            let interrupted = v
+                .generations
+                .get(&gen)
+                .is_some_and(|g| g.fenced_at.is_none())
+                && self.backend.fence_marked(id, gen);
+            if interrupted {
+                self.record_interrupted_fence(id, v, gen, "no holder left")?;
+            }
             return Ok(false);
         }
         let devices = describe(&open);
@@ -460,17 +472,42 @@ impl Controller {
         let report = self
             .fence_metrics
             .time(|| self.backend.freeze(id, gen, bytes))?;
-        if let Some(g) = v.generations.get_mut(&gen) {
-            if g.fenced_at.is_none() {
-                // An interrupted fence, now complete: record it.
-                g.fenced_at = Some(now_nanos());
-                g.fenced_node = Some("unknown".into());
-                g.fence_reason = Some(format!("an interrupted fence completed: held by {devices}"));
-                self.persist(v)?;
-            }
+        if v.generations
+            .get(&gen)
+            .is_some_and(|g| g.fenced_at.is_none())
+        {
+            self.record_interrupted_fence(id, v, gen, &format!("held by {devices}"))?;
         }
         tracing::warn!(volume = %id, generation = gen, devices = %devices, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, "write fence completed: the generation was fenced without remapping these holders (an older driver's flag-only fence, or an interrupted one); they are remapped into the trailer now");
         Ok(true)
+    }
+
+    /// Whether a generation of `v` is fenced, or marked by a fence a crash
+    /// interrupted (one stat per generation).
+    fn has_fence_to_complete(&self, v: &VolumeMeta) -> bool {
+        let id = v.volume_id();
+        v.generations
+            .iter()
+            .any(|(g, m)| m.fenced_at.is_some() || self.backend.fence_marked(&id, *g))
+    }
+
+    /// Records the fence of `gen` that a crash interrupted (its marker exists,
+    /// its record does not), now that it is complete.
+    fn record_interrupted_fence(
+        &self,
+        id: &VolumeId,
+        v: &mut VolumeMeta,
+        gen: u64,
+        what: &str,
+    ) -> CsiResult<()> {
+        if let Some(g) = v.generations.get_mut(&gen) {
+            g.fenced_at = Some(now_nanos());
+            g.fenced_node = Some("unknown".into());
+            g.fence_reason = Some(format!("an interrupted fence completed: {what}"));
+            self.persist(v)?;
+            tracing::warn!(volume = %id, generation = gen, "an interrupted fence is recorded: {what}");
+        }
+        Ok(())
     }
 
     /// The start-up pass: completes the fence of every generation recorded
@@ -482,7 +519,7 @@ impl Controller {
             .store
             .volumes()
             .into_iter()
-            .filter(|v| v.generations.values().any(|g| g.fenced_at.is_some()))
+            .filter(|v| self.has_fence_to_complete(v))
             .collect();
         if volumes.is_empty() {
             return 0;
@@ -519,7 +556,7 @@ impl Controller {
         let fenced: Vec<u64> = v
             .generations
             .iter()
-            .filter(|(_, g)| g.fenced_at.is_some())
+            .filter(|(g, m)| m.fenced_at.is_some() || self.backend.fence_marked(id, **g))
             .map(|(g, _)| *g)
             .collect();
         let mut done = 0;
@@ -542,9 +579,7 @@ impl Controller {
         // One scan of the loop devices per pass, and none when nothing is
         // fenced. A generation that looks released is checked again fresh
         // before anything is lifted or deleted (remove_generation re-checks too).
-        let pending = |v: &VolumeMeta| {
-            !v.fenced_from.is_empty() || v.generations.values().any(|g| g.fenced_at.is_some())
-        };
+        let pending = |v: &VolumeMeta| !v.fenced_from.is_empty() || self.has_fence_to_complete(v);
         let volumes: Vec<VolumeMeta> = self.store.volumes().into_iter().filter(pending).collect();
         if volumes.is_empty() {
             return 0;

@@ -28,6 +28,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 use super::Controller;
+use crate::backend::meta::PublishLock;
 use crate::error::{CsiError, CsiResult};
 use crate::fsops::CloneKind;
 use crate::ids::VolumeId;
@@ -43,6 +44,10 @@ pub(crate) struct Quiesced {
     /// Set when a writer of the volume could not be stopped: the copy is one
     /// instant only if it is a reflink (the caller checks what it made).
     pub(crate) reflink_required: bool,
+    /// The volumes' publish locks, held from the holder scan until after the
+    /// thaw: a node's stage waits, so no writer the scan did not see (and
+    /// so neither froze nor reflinked around) can start during the copy.
+    _stages_held: Vec<PublishLock>,
 }
 
 impl Drop for Quiesced {
@@ -80,6 +85,7 @@ impl Controller {
         let mut q = Quiesced {
             frozen: Vec::new(),
             reflink_required: false,
+            _stages_held: self.hold_stages([id])?,
         };
         let running = self.freeze_writers(id, gen, data_bytes, &mut q)?;
         if let Some(dev) = running.first() {
@@ -89,6 +95,29 @@ impl Controller {
             q.reflink_required = true;
         }
         Ok(q)
+    }
+
+    /// The publish locks of `ids`, exclusive, taken in one order (sorted), so
+    /// two group snapshots sharing members cannot deadlock.
+    fn hold_stages<'a>(
+        &self,
+        ids: impl IntoIterator<Item = &'a VolumeId>,
+    ) -> CsiResult<Vec<PublishLock>> {
+        let mut ids: Vec<&VolumeId> = ids.into_iter().collect();
+        ids.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        ids.dedup_by(|a, b| a.as_str() == b.as_str());
+        ids.into_iter()
+            .map(|id| {
+                PublishLock::take(&self.cfg.state_dir, id, true).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        CsiError::NotFound(format!("volume {id} does not exist"))
+                    }
+                    _ => {
+                        CsiError::internal("locking the volume against new stages for the copy", e)
+                    }
+                })
+            })
+            .collect()
     }
 
     /// Stops the writers of every member of a group at once, for as long as
@@ -106,6 +135,7 @@ impl Controller {
         let mut q = Quiesced {
             frozen: Vec::new(),
             reflink_required: false,
+            _stages_held: self.hold_stages(members.iter().map(|(id, _, _)| id))?,
         };
         let mut running: Vec<(usize, PathBuf)> = Vec::new();
         for (i, (id, gen, bytes)) in members.iter().enumerate() {
@@ -215,6 +245,7 @@ mod tests {
         Quiesced {
             frozen: Vec::new(),
             reflink_required,
+            _stages_held: Vec::new(),
         }
     }
 

@@ -92,6 +92,7 @@ impl Controller {
         let (origin, size) = {
             // Writers stop (or the copy is a reflink) for the copy only.
             let quiet = self.quiesce(&vid, gen, bytes)?;
+            crate::failpoint::pause("snapshot:before-copy", vid.as_str());
             let made = self.backend.snapshot(&vid, gen, bytes, &sid)?;
             if let Err(e) = quiet.refuse_torn(&vid, made.0) {
                 let _ = self.backend.delete_snapshot(&sid);

@@ -64,13 +64,14 @@ fn main() {
     let mut primed = false;
     loop {
         buf.copy_from_slice(&record(seq));
+        let started = monotonic_ns();
         let result = file
             .write_all_at(buf, seq * RECORD_SIZE as u64)
             .and_then(|_| file.sync_data());
         let mut out = stdout.lock();
         match result {
             Ok(()) => {
-                let _ = writeln!(out, "ok {seq} {}", monotonic_ns());
+                let _ = writeln!(out, "ok {seq} {} {started}", monotonic_ns());
                 seq += 1;
             }
             Err(e) => {
