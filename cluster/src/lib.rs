@@ -23,8 +23,8 @@
 //! use futures::StreamExt;
 //! const FIN: &str = "external-attacher/fencecsi.example.com";
 //!
-//! // Production: `Cluster::kube(kube::Client::try_default().await?)`; tests, benchmarks and
-//! // the drill: `Cluster::embedded()` (feature `embedded`).
+//! // Production: `Cluster::connect(None).await?` (kube's usual configuration, watches
+//! // paced); tests, benchmarks and the drill: `Cluster::embedded()` (feature `embedded`).
 //! async fn attach_loop(cluster: &Cluster) -> fencecsi_cluster::Result<()> {
 //!     let vas = cluster.api::<VolumeAttachment>(None);
 //!     let mut events = vas.watch(&WatchParams::default())?; // Listed(all), then changes
@@ -199,9 +199,9 @@ impl Cluster {
         }
     }
 
-    /// Embedded only: from now on, single-object reads and writes of kind `K` in
-    /// `namespace` answer Forbidden, as a real API server does for a missing RBAC
-    /// grant (lists and watches still answer). For tests of what a process does when
+    /// Embedded only: from now on, get, create, replace and the patches of kind `K`
+    /// in `namespace` answer Forbidden, as a real API server does for a missing RBAC
+    /// grant (deletes, status writes, lists and watches still answer). For tests of what a process does when
     /// it may not touch what it needs. Does nothing on a real cluster.
     #[cfg(feature = "embedded")]
     pub fn deny<K: Object>(&self, namespace: &str) {

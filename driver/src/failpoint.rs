@@ -4,6 +4,10 @@
 //! between two steps of an RPC deterministically, then check that a restarted
 //! plugin finishes the retried call without doubling anything. Unset (as in
 //! production), every `hit` is one relaxed load and a comparison.
+//!
+//! Pause points (`pause(name, key)`) hold a call at one step while a test in
+//! the same process interleaves another (race tests); only `arm_pause` from
+//! that process arms one, so in production none ever blocks.
 
 use std::sync::OnceLock;
 

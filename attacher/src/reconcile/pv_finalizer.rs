@@ -8,6 +8,11 @@ use super::{has_finalizer, Ctx};
 impl Ctx {
     /// Whether a VolumeAttachment of this driver (other than `except`) references `pv`.
     pub(super) fn pv_referenced(&self, pv: &str, except: Option<&str>) -> bool {
+        // Until this session's watch has listed, the cache cannot show that
+        // nothing references the PV: keep the finalizer.
+        if !self.listed.load(std::sync::atomic::Ordering::Acquire) {
+            return true;
+        }
         self.cache.state().iter().any(|va| {
             va.metadata.name.as_deref() != except
                 && va.spec.source.persistent_volume_name.as_deref() == Some(pv)

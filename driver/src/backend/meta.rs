@@ -200,6 +200,23 @@ pub struct PublishLock {
 impl PublishLock {
     /// Waits for the lock on `id`'s directory (shared or exclusive). NotFound
     /// when the volume has no directory (it does not exist).
+    /// [`PublishLock::take`] for an RPC: a volume without a directory is
+    /// NOT_FOUND, anything else INTERNAL naming `why` the lock was taken.
+    pub fn take_for_rpc(
+        state_dir: &Path,
+        id: &VolumeId,
+        exclusive: bool,
+        why: &str,
+    ) -> crate::error::CsiResult<Self> {
+        use crate::error::CsiError;
+        Self::take(state_dir, id, exclusive).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CsiError::NotFound(format!("volume {id} does not exist"))
+            }
+            _ => CsiError::internal(why, e),
+        })
+    }
+
     pub fn take(state_dir: &Path, id: &VolumeId, exclusive: bool) -> std::io::Result<Self> {
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;

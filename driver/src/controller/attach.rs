@@ -139,12 +139,12 @@ impl Controller {
 
     /// The volume's [`PublishLock`], exclusive.
     fn publish_lock(&self, id: &VolumeId) -> CsiResult<PublishLock> {
-        PublishLock::take(&self.cfg.state_dir, id, true).map_err(|e| {
-            CsiError::internal(
-                "locking the volume's attachments against a concurrent stage",
-                e,
-            )
-        })
+        PublishLock::take_for_rpc(
+            &self.cfg.state_dir,
+            id,
+            true,
+            "locking the volume's attachments against a concurrent stage",
+        )
     }
 
     fn publish_context(&self, v: &VolumeMeta, a: &Attachment) -> ControllerPublishVolumeResponse {
@@ -540,7 +540,7 @@ impl Controller {
             let Some(mut v) = self.store.volume(&id) else {
                 continue;
             };
-            done += self.complete_fences_of(&id, &mut v, &snapshot);
+            done += self.complete_fences_of(&id, &mut v, &snapshot, true);
         }
         done
     }
@@ -552,11 +552,16 @@ impl Controller {
         id: &VolumeId,
         v: &mut VolumeMeta,
         snapshot: &[LoopInfo],
+        markers: bool,
     ) -> usize {
+        // `markers`: also generations a crash left marked but unrecorded
+        // (one stat each; the start-up pass only).
         let fenced: Vec<u64> = v
             .generations
             .iter()
-            .filter(|(g, m)| m.fenced_at.is_some() || self.backend.fence_marked(id, **g))
+            .filter(|(g, m)| {
+                m.fenced_at.is_some() || (markers && self.backend.fence_marked(id, **g))
+            })
             .map(|(g, _)| *g)
             .collect();
         let mut done = 0;
@@ -579,7 +584,11 @@ impl Controller {
         // One scan of the loop devices per pass, and none when nothing is
         // fenced. A generation that looks released is checked again fresh
         // before anything is lifted or deleted (remove_generation re-checks too).
-        let pending = |v: &VolumeMeta| !v.fenced_from.is_empty() || self.has_fence_to_complete(v);
+        // In memory only: a fence marker without its record is left by a
+        // crash, and the start-up pass (`complete_fences`) handles those.
+        let pending = |v: &VolumeMeta| {
+            !v.fenced_from.is_empty() || v.generations.values().any(|g| g.fenced_at.is_some())
+        };
         let volumes: Vec<VolumeMeta> = self.store.volumes().into_iter().filter(pending).collect();
         if volumes.is_empty() {
             return 0;
@@ -603,7 +612,7 @@ impl Controller {
             let Some(mut v) = self.store.volume(&id) else {
                 continue;
             };
-            self.complete_fences_of(&id, &mut v, &snapshot);
+            self.complete_fences_of(&id, &mut v, &snapshot, false);
             let candidates: Vec<u64> = v
                 .generations
                 .iter()

@@ -104,18 +104,16 @@ impl Controller {
         ids: impl IntoIterator<Item = &'a VolumeId>,
     ) -> CsiResult<Vec<PublishLock>> {
         let mut ids: Vec<&VolumeId> = ids.into_iter().collect();
-        ids.sort_by(|a, b| a.as_str().cmp(b.as_str()));
-        ids.dedup_by(|a, b| a.as_str() == b.as_str());
+        ids.sort();
+        ids.dedup();
         ids.into_iter()
             .map(|id| {
-                PublishLock::take(&self.cfg.state_dir, id, true).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => {
-                        CsiError::NotFound(format!("volume {id} does not exist"))
-                    }
-                    _ => {
-                        CsiError::internal("locking the volume against new stages for the copy", e)
-                    }
-                })
+                PublishLock::take_for_rpc(
+                    &self.cfg.state_dir,
+                    id,
+                    true,
+                    "locking the volume against new stages for the copy",
+                )
             })
             .collect()
     }

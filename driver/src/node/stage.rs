@@ -126,13 +126,12 @@ impl Node {
             // happened since. Checked again under the lock the controller
             // holds for those, and attached before it is let go, so the
             // controller either sees this device or this stage sees the change.
-            let _publish_lock =
-                PublishLock::take(&self.cfg.state_dir, &id, false).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => {
-                        CsiError::NotFound(format!("volume {id} does not exist"))
-                    }
-                    _ => CsiError::internal("locking the volume's attachments", e),
-                })?;
+            let _publish_lock = PublishLock::take_for_rpc(
+                &self.cfg.state_dir,
+                &id,
+                false,
+                "locking the volume's attachments",
+            )?;
             let meta = self
                 .read_meta(&id)?
                 .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;

@@ -151,7 +151,7 @@ impl Runner {
             .await;
             self.in_disruption = false;
         }
-        // Nodes still down start their grace now (see `down`).
+        // Nodes still down start their grace now (see `suspect`).
         let unhealthy: Vec<(String, Suspect)> = unhealthy
             .into_iter()
             .filter_map(|(n, _)| {
