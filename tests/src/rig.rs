@@ -389,3 +389,60 @@ impl Rng {
         lo + self.next_u64() % (hi - lo).max(1)
     }
 }
+
+/// Builds the driver binary once per test process, so that tests running it
+/// (crash tests with failpoints) run the sources under test: `cargo test -p
+/// fencecsi-tests` does not rebuild it by itself.
+pub fn fresh_driver_binary() {
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    BUILD.call_once(|| {
+        let out = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+            .output()
+            .expect("running cargo build");
+        assert!(
+            out.status.success(),
+            "building fencecsi-driver failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    });
+}
+
+/// The NodeUnpublishVolumeRequest of `volume_id` at `target`, not forced.
+pub fn unpublish_request(volume_id: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: volume_id.into(),
+        target_path: target.to_string_lossy().into(),
+        force: false,
+    }
+}
+
+/// The NodeUnstageVolumeRequest of `volume_id` at `staging`, not forced.
+pub fn unstage_request(volume_id: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: volume_id.into(),
+        staging_target_path: staging.to_string_lossy().into(),
+        force: false,
+    }
+}
+
+/// Asserts the gRPC outcome of a call (a future of a `Result<_, Status>`):
+/// `Code::Ok` or the expected error code.
+#[macro_export]
+macro_rules! assert_code {
+    ($call:expr, $code:expr) => {{
+        let r = $call.await;
+        let got = match &r {
+            ::core::result::Result::Ok(_) => ::tonic::Code::Ok,
+            ::core::result::Result::Err(s) => s.code(),
+        };
+        assert_eq!(
+            got,
+            $code,
+            "{} -> {:?}",
+            stringify!($call),
+            r.as_ref().err().map(|s| s.message().to_string())
+        );
+    }};
+}

@@ -65,18 +65,7 @@ fn statvfs(dir: &Path) -> (i64, i64) {
     (st.blocks() as i64 * f, st.blocks_available() as i64 * f)
 }
 
-use fencecsi_tests::rig::create_request as create_req;
-
-async fn try_create(
-    c: &CsiClient,
-    req: csi::CreateVolumeRequest,
-) -> Result<csi::Volume, tonic::Status> {
-    c.clone()
-        .controller
-        .create_volume(req)
-        .await
-        .map(|r| r.into_inner().volume.unwrap())
-}
+use fencecsi_tests::rig::{create_request as create_req, from_volume};
 
 /// Volume directories (records and images) in the state dir.
 fn volume_dirs(env: &Env) -> usize {
@@ -125,6 +114,48 @@ async fn wait_collected(image: &Path) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A volume of `size` bytes (ext4) in use on node-a as pod-a, with `payload` bytes
+/// written to it: the placement and the payload's hash.
+async fn in_use_on_node_a(
+    rig: &Rig,
+    env: &Env,
+    name: &str,
+    size: i64,
+    payload: usize,
+) -> (Placement, String) {
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (_, a) = rig
+        .create_attached(env, name, size, &cap, "node-a", "pod-a")
+        .await;
+    let hash = write_payload(&a, payload);
+    (a, hash)
+}
+
+/// Fences `a`'s volume away from node-a: ControllerUnpublish with fence.
+async fn fence(rig: &Rig, a: &Placement) -> Result<(), tonic::Status> {
+    rig.unpublish(&a.volume_id, &a.node, true).await
+}
+
+/// Publishes `a`'s volume on node-b as pod-b (after a fence: a copy of it).
+async fn move_to_node_b(rig: &Rig, env: &Env, a: &Placement) -> Result<Placement, tonic::Status> {
+    rig.attach(env, &a.volume_id, "node-b", "pod-b", &a.cap)
+        .await
+}
+
+/// Node A lets go of the fenced `a`; waits until its generation 1 is collected.
+async fn release_fenced(rig: &Rig, env: &Env, a: &Placement) {
+    rig.node_teardown(a, true).await.unwrap();
+    wait_collected(&generation_path(env, &a.volume_id, 1)).await;
+}
+
+/// Detaches and deletes the volume in use at `last`, stops the rig, and checks that
+/// nothing of `env` is left mounted or attached.
+async fn finish(rig: Rig, env: &Env, last: &Placement) {
+    rig.detach_and_delete(last).await.unwrap();
+    rig.stop().await;
+    env.assert_clean();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,9 +221,7 @@ async fn get_capacity_is_honest_and_volumes_take_their_size() {
     let foreign = get_capacity_in(c, &fencecsi_driver::controller::topology_of("another")).await;
     assert_eq!(foreign.available_capacity, 0);
 
-    rig.node_teardown(&p, false).await.unwrap();
-    rig.unpublish(&v1.volume_id, "node-a", false).await.unwrap();
-    rig.delete(&v1.volume_id).await.unwrap();
+    rig.detach_and_delete(&p).await.unwrap();
     rig.delete(&v2.volume_id).await.unwrap();
     assert_near(available(c).await, a0, "after deleting both");
     rig.stop().await;
@@ -227,33 +256,27 @@ async fn what_does_not_fit_is_refused_and_leaves_nothing_behind() {
 
     // One MiB more than is available: not now (RESOURCE_EXHAUSTED), nothing written.
     let too_big = (a / MIB + 1) * MIB;
-    let e = try_create(c, create_req("too-big", too_big, &block))
+    let e = rig
+        .create_volume(create_req("too-big", too_big, &block))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("out of capacity"), "{e:?}");
     // Larger than the backend could ever hold: OUT_OF_RANGE.
-    let e = try_create(c, create_req("never", 1 << 40, &block))
+    let e = rig
+        .create_volume(create_req("never", 1 << 40, &block))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
     // A clone needs as much again: refused the same way.
     let big = rig.create("big-source", a / 2 + 8 * MIB, &block).await;
-    let e = try_create(
-        c,
-        csi::CreateVolumeRequest {
-            volume_content_source: Some(csi::VolumeContentSource {
-                r#type: Some(csi::volume_content_source::Type::Volume(
-                    csi::volume_content_source::VolumeSource {
-                        volume_id: big.volume_id.clone(),
-                    },
-                )),
-            }),
+    let e = rig
+        .create_volume(csi::CreateVolumeRequest {
+            volume_content_source: from_volume(&big.volume_id),
             ..create_req("clone", big.capacity_bytes, &block)
-        },
-    )
-    .await
-    .unwrap_err();
+        })
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "clone: {e:?}");
     rig.delete(&big.volume_id).await.unwrap();
     assert_eq!(volume_dirs(&env), dirs, "no image or record left behind");
@@ -262,17 +285,20 @@ async fn what_does_not_fit_is_refused_and_leaves_nothing_behind() {
 
     // Positive control: what is available fits exactly, and then nothing does.
     let fits = (a / MIB) * MIB;
-    let full = try_create(c, create_req("too-big", fits, &block))
+    let full = rig
+        .create_volume(create_req("too-big", fits, &block))
         .await
         .expect("the largest size reported available fits (and the refused name is free)");
     assert_eq!(full.capacity_bytes, fits);
     assert!(available(c).await < MIB, "the backend is full");
-    let e = try_create(c, create_req("one-more", MIB, &block))
+    let e = rig
+        .create_volume(create_req("one-more", MIB, &block))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     // An idempotent repeat of an existing volume still succeeds when full.
-    let again = try_create(c, create_req("too-big", fits, &block))
+    let again = rig
+        .create_volume(create_req("too-big", fits, &block))
         .await
         .expect("a repeat of an existing volume is not a new promise");
     assert_eq!(again.volume_id, full.volume_id);
@@ -323,7 +349,8 @@ async fn an_overcommit_ratio_lets_the_same_request_fit() {
     let a1 = available(&rig.controller).await;
     // 8 MiB more than is available: refused without over-commit...
     let size = (a1 / MIB + 8) * MIB;
-    let e = try_create(&rig.controller, create_req("thin", size, &block))
+    let e = rig
+        .create_volume(create_req("thin", size, &block))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
@@ -334,7 +361,8 @@ async fn an_overcommit_ratio_lets_the_same_request_fit() {
     let rig = start(&env, 2.0).await;
     let a2 = available(&rig.controller).await;
     assert_near(a2, 2 * (a1 + TRAILER) - TRAILER, "ratio 2");
-    let v = try_create(&rig.controller, create_req("thin", size, &block))
+    let v = rig
+        .create_volume(create_req("thin", size, &block))
         .await
         .expect("fits with over-commit");
     assert_near(
@@ -354,48 +382,32 @@ async fn a_fenced_generation_counts_until_it_is_collected() {
     let env = small_backing(&outer);
     let rig = start(&env, 1.0).await;
     let c = &rig.controller;
-    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let size = 48 * MIB;
-    let vol = rig.create("fenced", size, &cap).await;
-    let a = rig
-        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
-        .await
-        .unwrap();
-    let hash = write_payload(&a, 8 << 20);
+    let (a, hash) = in_use_on_node_a(&rig, &env, "fenced", size, 8 << 20).await;
     let before = available(c).await;
 
     // The fence promises the copy the next publish makes (ext4: a full sparse copy).
-    rig.unpublish(&vol.volume_id, "node-a", true).await.unwrap();
+    fence(&rig, &a).await.unwrap();
     let fenced = available(c).await;
     assert_near(before - fenced, size + TRAILER, "after the fence");
     // The copy takes what was promised, no more.
-    let b = rig
-        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
-        .await
-        .unwrap();
+    let b = move_to_node_b(&rig, &env, &a).await.unwrap();
     assert_eq!(b.generation(), 2);
     assert_eq!(sha256_file(&b.target.join("payload.bin")), hash);
     let copied = available(c).await;
     assert_near(copied, fenced, "after the copy");
 
     // Node A still holds generation 1: it stays, and keeps counting.
-    let gen1 = generation_path(&env, &vol.volume_id, 1);
+    let gen1 = generation_path(&env, &a.volume_id, 1);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(gen1.exists(), "a held generation is not collected");
     assert_near(available(c).await, copied, "while node A holds it");
 
     // Node A lets go; garbage collection frees generation 1 and its space comes back.
-    rig.node_teardown(&a, true).await.unwrap();
-    wait_collected(&gen1).await;
+    release_fenced(&rig, &env, &a).await;
     assert_near(available(c).await, before, "after collection");
 
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
-        .await
-        .unwrap();
-    rig.delete(&vol.volume_id).await.unwrap();
-    rig.stop().await;
-    env.assert_clean();
+    finish(rig, &env, &b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -405,15 +417,8 @@ async fn the_fence_is_never_refused_for_capacity() {
     let env = small_backing(&outer);
     let rig = start(&env, 1.0).await;
     let c = &rig.controller;
-    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let block = block_cap(Access::SingleNodeWriter);
-    let size = 32 * MIB;
-    let vol = rig.create("fence-when-full", size, &cap).await;
-    let a = rig
-        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
-        .await
-        .unwrap();
-    let hash = write_payload(&a, 4 << 20);
+    let (a, hash) = in_use_on_node_a(&rig, &env, "fence-when-full", 32 * MIB, 4 << 20).await;
 
     // Fill the budget.
     let left = available(c).await;
@@ -421,36 +426,29 @@ async fn the_fence_is_never_refused_for_capacity() {
     assert!(available(c).await < MIB, "the backend is full");
 
     // The fence and the publish that copies the volume both succeed...
-    rig.unpublish(&vol.volume_id, "node-a", true)
+    fence(&rig, &a)
         .await
         .expect("the fence is never refused for capacity");
-    let b = rig
-        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
+    let b = move_to_node_b(&rig, &env, &a)
         .await
         .expect("the copy after a fence is never refused for capacity");
     assert_eq!(b.generation(), 2);
     assert_eq!(sha256_file(&b.target.join("payload.bin")), hash);
     // ... and new volumes are refused instead while the fenced generation is kept.
     assert_eq!(available(c).await, 0);
-    let e = try_create(c, create_req("after-fence", MIB, &block))
+    let e = rig
+        .create_volume(create_req("after-fence", MIB, &block))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
 
-    rig.node_teardown(&a, true).await.unwrap();
-    wait_collected(&generation_path(&env, &vol.volume_id, 1)).await;
+    release_fenced(&rig, &env, &a).await;
     rig.delete(&filler.volume_id).await.unwrap();
     assert!(
         available(c).await > left - MIB,
         "the space is back once the fenced generation is gone"
     );
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
-        .await
-        .unwrap();
-    rig.delete(&vol.volume_id).await.unwrap();
-    rig.stop().await;
-    env.assert_clean();
+    finish(rig, &env, &b).await;
 }
 
 /// On xfs the generation after a fence is a reflink clone: no space at first, but both
@@ -464,22 +462,13 @@ async fn reflinked_generations_count_in_full_until_collected() {
     let env = backing(&outer, "xfs", 512 << 20);
     let rig = start(&env, 1.0).await;
     let c = &rig.controller;
-    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let size = 48 * MIB;
-    let vol = rig.create("reflinked", size, &cap).await;
-    let a = rig
-        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
-        .await
-        .unwrap();
-    let hash = write_payload(&a, 8 << 20);
+    let (a, hash) = in_use_on_node_a(&rig, &env, "reflinked", size, 8 << 20).await;
     let before = available(c).await;
     let (_, free_before) = statvfs(&env.state_dir());
 
-    rig.unpublish(&vol.volume_id, "node-a", true).await.unwrap();
-    let b = rig
-        .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
-        .await
-        .unwrap();
+    fence(&rig, &a).await.unwrap();
+    let b = move_to_node_b(&rig, &env, &a).await.unwrap();
     assert_eq!(sha256_file(&b.target.join("payload.bin")), hash);
     let (_, free_after) = statvfs(&env.state_dir());
     assert!(
@@ -493,8 +482,7 @@ async fn reflinked_generations_count_in_full_until_collected() {
         "the reflinked generation counts in full: {before} -> {copied}"
     );
 
-    rig.node_teardown(&a, true).await.unwrap();
-    wait_collected(&generation_path(&env, &vol.volume_id, 1)).await;
+    release_fenced(&rig, &env, &a).await;
     // Generation 2 now holds its blocks alone: what was written counts as written again.
     // xfs frees an unlinked file's blocks in the background (inode inactivation), so
     // the free space the formula reads converges shortly after the unlink.
@@ -507,11 +495,5 @@ async fn reflinked_generations_count_in_full_until_collected() {
     }
     assert_near(now, before, "after collection");
 
-    rig.node_teardown(&b, false).await.unwrap();
-    rig.unpublish(&vol.volume_id, "node-b", false)
-        .await
-        .unwrap();
-    rig.delete(&vol.volume_id).await.unwrap();
-    rig.stop().await;
-    env.assert_clean();
+    finish(rig, &env, &b).await;
 }

@@ -11,12 +11,15 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::sync::Once;
 
 use fencecsi_driver::config::{Mode, DEFAULT_DRIVER_NAME};
 use fencecsi_driver::failpoint;
 use fencecsi_driver::node::ephemeral::{self, CTX_EPHEMERAL, IMAGE};
 use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::rig::{
+    create_request, fresh_driver_binary, publish_request, stage_request, unpublish_request,
+    unstage_request,
+};
 use fencecsi_tests::{
     block_cap, csi, mount_cap, require_root, sha256_file, wait_for_socket, Access, Env, InProcess,
     Process,
@@ -406,15 +409,7 @@ async fn persistent_volumes_ignore_pod_info() {
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let id = c
         .controller
-        .create_volume(csi::CreateVolumeRequest {
-            name: "pvc-pod-info".into(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: (32 * MIB) as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        })
+        .create_volume(create_request("pvc-pod-info", (32 * MIB) as i64, &cap))
         .await
         .unwrap()
         .into_inner()
@@ -423,12 +418,7 @@ async fn persistent_volumes_ignore_pod_info() {
         .volume_id;
     let ctx = c
         .controller
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: id.clone(),
-            node_id: NODE.into(),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
+        .controller_publish_volume(publish_request(&id, NODE, &cap))
         .await
         .unwrap()
         .into_inner()
@@ -437,13 +427,7 @@ async fn persistent_volumes_ignore_pod_info() {
     let target = env.target_path(NODE, "pod-p", "pv");
     std::fs::create_dir_all(target.parent().unwrap()).unwrap();
     c.node
-        .node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: id.clone(),
-            publish_context: ctx.clone(),
-            staging_target_path: s(&staging),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
+        .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
         .await
         .unwrap();
     let pod_info: HashMap<String, String> = [
@@ -470,19 +454,11 @@ async fn persistent_volumes_ignore_pod_info() {
     std::fs::write(target.join("f"), b"persistent").unwrap();
     assert_eq!(ephemeral_dirs(&env), Vec::<String>::new());
     c.node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: s(&target),
-            force: false,
-        })
+        .node_unpublish_volume(unpublish_request(&id, &target))
         .await
         .unwrap();
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: s(&staging),
-            force: false,
-        })
+        .node_unstage_volume(unstage_request(&id, &staging))
         .await
         .unwrap();
     c.controller
@@ -505,24 +481,6 @@ async fn persistent_volumes_ignore_pod_info() {
 }
 
 // ------------------------------------------------------------------ crashes
-
-/// The crash tests run the driver binary, which `cargo test -p fencecsi-tests` does not
-/// rebuild by itself: build it once here so the failpoints are those of the sources.
-fn fresh_driver_binary() {
-    static BUILD: Once = Once::new();
-    BUILD.call_once(|| {
-        let out = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
-            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-            .output()
-            .expect("running cargo build");
-        assert!(
-            out.status.success(),
-            "building fencecsi-driver failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    });
-}
 
 /// The node plugin in its own process, with failpoints armed.
 async fn node_process(env: &Env, failpoints: &str) -> (Process, CsiClient) {

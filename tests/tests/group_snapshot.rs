@@ -26,15 +26,16 @@ use std::collections::{BTreeSet, HashMap};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::failpoint;
 use fencecsi_proto::v1::group_controller_client::GroupControllerClient;
+use fencecsi_tests::assert_code;
 use fencecsi_tests::csi::group_controller_service_capability::rpc::Type as GroupRpc;
 use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
-use fencecsi_tests::rig::{create_request, from_snapshot, Placement, Rig};
+use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
 use fencecsi_tests::{
     block_cap, csi, mount_cap, region_hash, require_root, wait_for_socket, Access, Env, InProcess,
     Process,
@@ -51,23 +52,6 @@ const MAGIC: u64 = 0x9e37_79b9_7f4a_7c15;
 const REGION: u64 = 1 << 20;
 /// Chains per run at most (regions of one run).
 const MAX_CHAINS: usize = 8;
-
-macro_rules! assert_code {
-    ($call:expr, $code:expr) => {{
-        let r = $call.await;
-        let got = match &r {
-            ::core::result::Result::Ok(_) => Code::Ok,
-            ::core::result::Result::Err(s) => s.code(),
-        };
-        assert_eq!(
-            got,
-            $code,
-            "{} -> {:?}",
-            stringify!($call),
-            r.as_ref().err().map(|s| s.message().to_string())
-        );
-    }};
-}
 
 // ---------------------------------------------------------------- records
 
@@ -1013,25 +997,6 @@ async fn group_controller_rpcs_and_error_codes() {
 }
 
 // ---------------------------------------------------------------- crashes
-
-/// The crash test runs the driver binary, which `cargo test -p fencecsi-tests`
-/// does not rebuild by itself: build it once so the failpoints are those of
-/// the sources under test.
-fn fresh_driver_binary() {
-    static BUILD: Once = Once::new();
-    BUILD.call_once(|| {
-        let out = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
-            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-            .output()
-            .expect("running cargo build");
-        assert!(
-            out.status.success(),
-            "building fencecsi-driver failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    });
-}
 
 /// A controller plugin in its own process with `failpoints` armed.
 async fn controller_process(

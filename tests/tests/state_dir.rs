@@ -113,26 +113,53 @@ async fn delete(rig: &Rig, vol: &str) {
     panic!("DeleteVolume kept being aborted");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recovery_refuses_a_wrong_state_dir_and_acts_on_the_right_one() {
-    require_root!();
+/// A controller, and node-a (recovering) with two volumes in use on it, `pv-{kept}` and
+/// `pv-fenced`, each with 1 MiB of data (`seed`, `seed + 1`): the rig, node-a, the kept
+/// volume's placement and data hash, and the other's placement.
+async fn two_volumes_on_node_a(
+    env: &Env,
+    kept: &str,
+    seed: u8,
+) -> (Rig, RecoveringNode, Placement, String, Placement) {
     fencecsi_tests::init_tracing();
-    let env = Env::new();
-    let mut rig = Rig::start(&env, &[]).await;
-    let a = RecoveringNode::start(node_cfg(&env, 1, None)).await;
+    let mut rig = Rig::start(env, &[]).await;
+    let a = RecoveringNode::start(node_cfg(env, 1, None)).await;
     rig.nodes.insert("node-a".into(), a.client.clone());
-    let live_id = rig.create("pv-live", 64 << 20, &cap()).await.volume_id;
+    let kept_id = rig
+        .create(&format!("pv-{kept}"), 64 << 20, &cap())
+        .await
+        .volume_id;
     let fenced_id = rig.create("pv-fenced", 64 << 20, &cap()).await.volume_id;
-    let live = rig
-        .attach(&env, &live_id, "node-a", "pod-live", &cap())
+    let kept = rig
+        .attach(env, &kept_id, "node-a", &format!("pod-{kept}"), &cap())
         .await
         .unwrap();
     let fenced = rig
-        .attach(&env, &fenced_id, "node-a", "pod-fenced", &cap())
+        .attach(env, &fenced_id, "node-a", "pod-fenced", &cap())
         .await
         .unwrap();
-    let live_sum = write_data(&live, 1);
-    write_data(&fenced, 2);
+    let kept_sum = write_data(&kept, seed);
+    write_data(&fenced, seed + 1);
+    (rig, a, kept, kept_sum, fenced)
+}
+
+/// Detaches `kept` from node-a, stops node-a, deletes both volumes, stops the rig and
+/// checks that nothing of `env` is left mounted or attached.
+async fn finish(env: &Env, rig: Rig, a: RecoveringNode, kept: &Placement, fenced_id: &str) {
+    rig.detach(kept).await.unwrap();
+    a.stop().await;
+    delete(&rig, &kept.volume_id).await;
+    delete(&rig, fenced_id).await;
+    rig.stop().await;
+    env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_refuses_a_wrong_state_dir_and_acts_on_the_right_one() {
+    require_root!();
+    let env = Env::new();
+    let (mut rig, a, live, live_sum, fenced) = two_volumes_on_node_a(&env, "live", 1).await;
+    let fenced_id = fenced.volume_id.clone();
     let r = a.recovery.run_now().await;
     assert!(
         r.clean && r.refused.is_none() && r.released.is_empty(),
@@ -213,35 +240,15 @@ async fn recovery_refuses_a_wrong_state_dir_and_acts_on_the_right_one() {
     assert_eq!(a.ready().await, Some(true));
     assert!(!a.reporter.calls.lock().unwrap().is_empty());
 
-    rig.node_teardown(&live, false).await.unwrap();
-    rig.unpublish(&live_id, "node-a", false).await.unwrap();
-    a.stop().await;
-    delete(&rig, &live_id).await;
-    delete(&rig, &fenced_id).await;
-    rig.stop().await;
-    env.assert_clean();
+    finish(&env, rig, a, &live, &fenced_id).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_without_metadata_keeps_its_mount() {
     require_root!();
-    fencecsi_tests::init_tracing();
     let env = Env::new();
-    let mut rig = Rig::start(&env, &[]).await;
-    let a = RecoveringNode::start(node_cfg(&env, 1, None)).await;
-    rig.nodes.insert("node-a".into(), a.client.clone());
-    let kept_id = rig.create("pv-kept", 64 << 20, &cap()).await.volume_id;
-    let fenced_id = rig.create("pv-fenced", 64 << 20, &cap()).await.volume_id;
-    let kept = rig
-        .attach(&env, &kept_id, "node-a", "pod-kept", &cap())
-        .await
-        .unwrap();
-    let fenced = rig
-        .attach(&env, &fenced_id, "node-a", "pod-fenced", &cap())
-        .await
-        .unwrap();
-    let kept_sum = write_data(&kept, 3);
-    write_data(&fenced, 4);
+    let (rig, a, kept, kept_sum, fenced) = two_volumes_on_node_a(&env, "kept", 3).await;
+    let (kept_id, fenced_id) = (kept.volume_id.clone(), fenced.volume_id.clone());
     rig.unpublish(&fenced_id, "node-a", true).await.unwrap();
 
     // The kept volume's record goes missing (the state dir itself is the right one).
@@ -288,11 +295,5 @@ async fn a_volume_without_metadata_keeps_its_mount() {
     );
     assert_in_place(&env, &kept, "record restored");
 
-    rig.node_teardown(&kept, false).await.unwrap();
-    rig.unpublish(&kept_id, "node-a", false).await.unwrap();
-    a.stop().await;
-    delete(&rig, &kept_id).await;
-    delete(&rig, &fenced_id).await;
-    rig.stop().await;
-    env.assert_clean();
+    finish(&env, rig, a, &kept, &fenced_id).await;
 }
