@@ -4,10 +4,10 @@
 //! device and one mount, and teardown through the RPCs leaves nothing. Also:
 //! SIGTERM removes the socket and leaves staged volumes mounted.
 
+use fencecsi_tests::rig::fresh_driver_binary;
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::sync::Once;
 
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::failpoint;
@@ -22,25 +22,6 @@ const MIB: i64 = 1 << 20;
 
 fn s(p: &Path) -> String {
     p.to_string_lossy().into_owned()
-}
-
-/// The crash tests run the driver binary, which `cargo test -p
-/// fencecsi-tests` does not rebuild by itself: build it once here so the
-/// failpoints are those of the sources under test.
-fn fresh_driver_binary() {
-    static BUILD: Once = Once::new();
-    BUILD.call_once(|| {
-        let out = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
-            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-            .output()
-            .expect("running cargo build");
-        assert!(
-            out.status.success(),
-            "building fencecsi-driver failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    });
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]

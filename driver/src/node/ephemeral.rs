@@ -47,7 +47,7 @@ use crate::capability::{self, FS_TYPES};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
 use crate::loopdev::{self, AttachOptions, LoopInfo};
-use crate::mounts::{self, PathState};
+use crate::mounts;
 use crate::{fsops, fsutil};
 
 /// The volume context key kubelet sets (with `podInfoOnMount`) on every NodePublishVolume:
@@ -618,25 +618,8 @@ impl Node {
                 "volume {raw_id} does not exist"
             )));
         }
-        let condition =
-            |abnormal: bool, message: String| Some(VolumeCondition { abnormal, message });
-        match mounts::path_state(path) {
-            PathState::Missing => {
-                return Err(CsiError::NotFound(format!(
-                    "{} does not exist",
-                    path.display()
-                )))
-            }
-            PathState::Stale(errno) => {
-                return Ok(NodeGetVolumeStatsResponse {
-                    usage: Vec::new(),
-                    volume_condition: condition(
-                        true,
-                        format!("{} is stale ({errno})", path.display()),
-                    ),
-                })
-            }
-            PathState::Ok => {}
+        if let Some(stale) = super::stats::stale_or_missing(path, "")? {
+            return Ok(stale);
         }
         let mounted = mounts::mounts_at(path)
             .map_err(|e| CsiError::internal("reading the mount table", e))?
@@ -653,24 +636,9 @@ impl Node {
             )));
         }
         let healthy = eph.image().exists();
-        let u = fsutil::usage(path).map_err(|e| CsiError::internal("statfs", e))?;
-        use fencecsi_proto::v1::volume_usage::Unit;
         Ok(NodeGetVolumeStatsResponse {
-            usage: vec![
-                VolumeUsage {
-                    available: u.bytes_available as i64,
-                    total: u.bytes_total as i64,
-                    used: u.bytes_used as i64,
-                    unit: Unit::Bytes as i32,
-                },
-                VolumeUsage {
-                    available: u.inodes_free as i64,
-                    total: u.inodes_total as i64,
-                    used: u.inodes_used as i64,
-                    unit: Unit::Inodes as i32,
-                },
-            ],
-            volume_condition: condition(
+            usage: super::stats::fs_usage(path)?,
+            volume_condition: super::stats::condition(
                 !healthy,
                 if healthy {
                     "healthy".into()

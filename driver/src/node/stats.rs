@@ -1,5 +1,7 @@
 //! NodeGetVolumeStats and NodeExpandVolume.
 
+use std::path::Path;
+
 use fencecsi_proto::v1::volume_usage::Unit;
 use fencecsi_proto::v1::*;
 
@@ -44,28 +46,8 @@ impl Node {
             .check("volume_path", &req.volume_path)
             .map_err(|e| CsiError::NotFound(format!("volume {id} is not at that path: {e}")))?;
         let meta = self.read_meta(&id)?;
-        let condition =
-            |abnormal: bool, message: String| Some(VolumeCondition { abnormal, message });
-        match mounts::path_state(&path) {
-            PathState::Missing => {
-                return Err(CsiError::NotFound(format!(
-                    "{} does not exist",
-                    path.display()
-                )))
-            }
-            PathState::Stale(errno) => {
-                return Ok(NodeGetVolumeStatsResponse {
-                    usage: Vec::new(),
-                    volume_condition: condition(
-                        true,
-                        format!(
-                            "{} is stale ({errno}): the filesystem was aborted or fenced",
-                            path.display()
-                        ),
-                    ),
-                })
-            }
-            PathState::Ok => {}
+        if let Some(stale) = stale_or_missing(&path, ": the filesystem was aborted or fenced")? {
+            return Ok(stale);
         }
         let Some(meta) = meta else {
             return Err(CsiError::NotFound(format!("volume {id} does not exist")));
@@ -103,21 +85,7 @@ impl Node {
             .map(|m| m.is_dir())
             .unwrap_or(false);
         let usage = if is_dir {
-            let u = fsutil::usage(&path).map_err(|e| CsiError::internal("statfs", e))?;
-            vec![
-                VolumeUsage {
-                    available: u.bytes_available as i64,
-                    total: u.bytes_total as i64,
-                    used: u.bytes_used as i64,
-                    unit: Unit::Bytes as i32,
-                },
-                VolumeUsage {
-                    available: u.inodes_free as i64,
-                    total: u.inodes_total as i64,
-                    used: u.inodes_used as i64,
-                    unit: Unit::Inodes as i32,
-                },
-            ]
+            fs_usage(&path)?
         } else {
             let total = fsutil::block_device_size(&path)
                 .map_err(|e| CsiError::internal("reading the block device size", e))?;
@@ -215,4 +183,51 @@ impl Node {
             capacity_bytes: size as i64,
         })
     }
+}
+
+/// A volume condition, as the stats answer carries it.
+pub(super) fn condition(abnormal: bool, message: String) -> Option<VolumeCondition> {
+    Some(VolumeCondition { abnormal, message })
+}
+
+/// The stats of a path that cannot be read: NOT_FOUND when it is missing, an
+/// abnormal condition with no usage when it is stale (`why` follows the errno),
+/// None when it can be read.
+pub(super) fn stale_or_missing(
+    path: &Path,
+    why: &str,
+) -> CsiResult<Option<NodeGetVolumeStatsResponse>> {
+    match mounts::path_state(path) {
+        PathState::Missing => Err(CsiError::NotFound(format!(
+            "{} does not exist",
+            path.display()
+        ))),
+        PathState::Stale(errno) => Ok(Some(NodeGetVolumeStatsResponse {
+            usage: Vec::new(),
+            volume_condition: condition(
+                true,
+                format!("{} is stale ({errno}){why}", path.display()),
+            ),
+        })),
+        PathState::Ok => Ok(None),
+    }
+}
+
+/// Bytes and inodes of the filesystem mounted at `path`.
+pub(super) fn fs_usage(path: &Path) -> CsiResult<Vec<VolumeUsage>> {
+    let u = fsutil::usage(path).map_err(|e| CsiError::internal("statfs", e))?;
+    Ok(vec![
+        VolumeUsage {
+            available: u.bytes_available as i64,
+            total: u.bytes_total as i64,
+            used: u.bytes_used as i64,
+            unit: Unit::Bytes as i32,
+        },
+        VolumeUsage {
+            available: u.inodes_free as i64,
+            total: u.inodes_total as i64,
+            used: u.inodes_used as i64,
+            unit: Unit::Inodes as i32,
+        },
+    ])
 }
