@@ -20,6 +20,9 @@
 //!   fresh [`WatchEvent::Listed`]) instead of the store keeping unbounded history for it;
 //!   this is what kube's watcher does on `410 Gone`.
 //!
+//! For tests, `Cluster::cut_watches` makes the open watches of a kind go silent for good
+//! (a connection lost without the client noticing), and `Cluster::deny` answers Forbidden.
+//!
 //! Storage is one map per kind keyed by (namespace, name) holding `Arc<K>`, under a
 //! per-kind `RwLock`: reads clone only the objects they return, and lists filter before
 //! cloning. Pods are also indexed by `spec.nodeName`.
@@ -93,6 +96,7 @@ impl Embedded {
                 tx,
                 history_cap: self.config.history,
                 denied: RwLock::new(BTreeSet::new()),
+                cuts: AtomicU64::new(0),
             }) as Arc<dyn Any + Send + Sync>
         });
         entry
@@ -140,6 +144,9 @@ pub(crate) struct KindStore<K> {
     /// Namespaces where reads and writes of single objects answer Forbidden, as an
     /// API server does for a missing RBAC grant (tests: see `Cluster::deny`).
     denied: RwLock<BTreeSet<String>>,
+    /// How many times the open watches were cut (tests: see `Cluster::cut_watches`). A
+    /// watch started when the count was lower is silent.
+    cuts: AtomicU64,
 }
 
 /// A filter for list and watch: namespace, selectors, and (list only) a closure.
@@ -259,6 +266,11 @@ impl<K: Object> KindStore<K> {
             "{} not found",
             describe::<K>(Some(ns).filter(|n| !n.is_empty()), name)
         ))
+    }
+
+    /// Every watch open now delivers nothing more and never ends; later watches work.
+    pub(crate) fn cut_watches(&self) {
+        self.cuts.fetch_add(1, Ordering::SeqCst);
     }
 
     pub(crate) fn deny(&self, ns: &str) {
@@ -730,6 +742,7 @@ impl<K: Object> KindStore<K> {
             matcher,
             rx: None,
             pending: VecDeque::new(),
+            cuts: self.cuts.load(Ordering::SeqCst),
         };
         {
             let st = self.read();
@@ -763,6 +776,8 @@ struct EmbeddedWatch<K> {
     matcher: Matcher,
     rx: Option<broadcast::Receiver<Arc<Change<K>>>>,
     pending: VecDeque<WatchEvent<K>>,
+    /// The store's cut count when this watch started.
+    cuts: u64,
 }
 
 impl<K: Object> EmbeddedWatch<K> {
@@ -801,12 +816,22 @@ impl<K: Object> EmbeddedWatch<K> {
 
     async fn next_event(&mut self) -> Option<WatchEvent<K>> {
         loop {
+            if self.store.cuts.load(Ordering::SeqCst) != self.cuts {
+                // Cut: like a connection the server dropped while the client still waits
+                // on it, nothing more arrives, and nothing says so.
+                self.rx = None;
+                self.pending.clear();
+                return std::future::pending().await;
+            }
             if let Some(ev) = self.pending.pop_front() {
                 return Some(ev);
             }
             let rx = self.rx.as_mut()?;
             match rx.recv().await {
                 Ok(ch) => {
+                    if self.store.cuts.load(Ordering::SeqCst) != self.cuts {
+                        continue;
+                    }
                     if let Some(ev) = self.convert(&ch) {
                         return Some(ev);
                     }

@@ -15,7 +15,9 @@ use crate::params::{
 
 /// Page size of lists: keeps single responses small when listing 150,000 pods.
 const PAGE: u32 = 500;
-/// Server-side watch timeout; the API server caps it below 300 s anyway.
+/// Server-side watch timeout unless the caller bounds it (`WatchParams::timeout`); the
+/// API server caps it below 300 s anyway. kube-runtime's watcher reopens a call that
+/// delivered nothing for this plus 5 s.
 const WATCH_TIMEOUT_SECS: u32 = 290;
 /// A metadata patch retries this many times on conflicts with other writers.
 const PATCH_RETRIES: usize = 16;
@@ -220,7 +222,7 @@ pub(crate) fn watch<K: Object>(
     use kube::runtime::WatchStreamExt;
     let mut cfg = watcher::Config::default()
         .page_size(PAGE)
-        .timeout(WATCH_TIMEOUT_SECS);
+        .timeout(params.timeout_secs.unwrap_or(WATCH_TIMEOUT_SECS));
     if let Some(l) = &params.label_selector {
         cfg = cfg.labels(l);
     }

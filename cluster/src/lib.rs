@@ -210,6 +210,18 @@ impl Cluster {
         }
     }
 
+    /// Embedded only: every watch of kind `K` open now goes silent. It delivers nothing
+    /// more and never ends, as a watch does whose connection was lost without the client
+    /// noticing (a network cut with no TCP keepalive, a server or proxy that dropped it).
+    /// Watches started later work. For tests of what a process does when its watch dies
+    /// without a sign. Does nothing on a real cluster.
+    #[cfg(feature = "embedded")]
+    pub fn cut_watches<K: Object>(&self) {
+        if let Inner::Embedded(e) = &self.inner {
+            e.kind::<K>().cut_watches();
+        }
+    }
+
     /// Embedded only: how many objects of kind `K` are stored (all namespaces). `None`
     /// on a real cluster. For tests and benchmarks.
     #[cfg(feature = "embedded")]

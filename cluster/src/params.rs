@@ -43,9 +43,22 @@ pub struct WatchParams {
     /// consumer that keeps nothing of the kind and reacts to changes (a full list of every
     /// pod in a large cluster is gigabytes).
     pub changes_only: bool,
+    /// Bound of each watch call, in seconds (the API server's `timeoutSeconds`): the
+    /// server ends the call after it and the stream goes on with a new one, resuming where
+    /// it was. kube-runtime's watcher also takes it as its bound on a silent connection: a
+    /// call that has delivered nothing for this long plus 5 s is taken for dead and
+    /// reopened, so a connection lost without a close (a network cut, no TCP keepalive) is
+    /// noticed within that time. `None`: 290 s. The embedded cluster has no connection to
+    /// lose and ignores it.
+    pub timeout_secs: Option<u32>,
 }
 
 impl WatchParams {
+    /// Bounds each watch call to `secs` seconds (at least 1); see [`Self::timeout_secs`].
+    pub fn timeout(mut self, secs: u32) -> Self {
+        self.timeout_secs = Some(secs.max(1));
+        self
+    }
     pub fn changes_only(mut self) -> Self {
         self.changes_only = true;
         self

@@ -372,6 +372,56 @@ async fn watch_from_resource_version_replays_or_relists() {
     assert!(matches!(next(&mut w).await, WatchEvent::Listed(v) if v.len() == 12));
 }
 
+/// `cut_watches`: the watches open at the cut deliver nothing more and do not end (a
+/// connection lost without the client noticing); watches started later, and other kinds'
+/// watches, go on.
+#[tokio::test]
+async fn a_cut_watch_goes_silent_and_later_watches_deliver() {
+    let c = Cluster::embedded();
+    let nodes = c.api::<Node>(None);
+    nodes.create(&node("a")).await.unwrap();
+    let mut cut = nodes.watch(&WatchParams::default()).unwrap();
+    assert!(matches!(next(&mut cut).await, WatchEvent::Listed(v) if v.len() == 1));
+    // A change not yet read when the cut comes is lost with the connection too.
+    nodes
+        .patch_metadata("a", &MetadataPatch::new().set_label("before", "cut"))
+        .await
+        .unwrap();
+    let mut leases = c
+        .api::<Lease>(Some("ns"))
+        .watch(&WatchParams::default())
+        .unwrap();
+    assert!(matches!(next(&mut leases).await, WatchEvent::Listed(_)));
+    c.cut_watches::<Node>();
+    let mut later = nodes.watch(&WatchParams::default()).unwrap();
+    assert!(matches!(next(&mut later).await, WatchEvent::Listed(v) if v.len() == 1));
+    nodes
+        .patch_metadata("a", &MetadataPatch::new().set_label("after", "cut"))
+        .await
+        .unwrap();
+    nodes.create(&node("b")).await.unwrap();
+    c.api::<Lease>(Some("ns"))
+        .create(&Lease {
+            metadata: meta("l", Some("ns")),
+            spec: Some(LeaseSpec::default()),
+        })
+        .await
+        .unwrap();
+
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), cut.next())
+            .await
+            .is_err(),
+        "a cut watch neither delivers nor ends"
+    );
+    assert!(matches!(next(&mut later).await, WatchEvent::Modified(n) if name(&n) == "a"));
+    assert!(matches!(next(&mut later).await, WatchEvent::Added(n) if name(&n) == "b"));
+    assert!(
+        matches!(next(&mut leases).await, WatchEvent::Added(l) if name(&l) == "l"),
+        "the cut is per kind"
+    );
+}
+
 #[tokio::test]
 async fn selector_watch_sees_objects_enter_and_leave() {
     let c = Cluster::embedded();

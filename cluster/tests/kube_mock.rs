@@ -9,7 +9,7 @@
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
@@ -312,6 +312,115 @@ async fn a_repeated_event_becomes_a_series() {
     assert!(log[1]
         .uri
         .contains(first["metadata"]["name"].as_str().unwrap()));
+}
+
+/// A watch whose connection goes silent after its headers (a network cut the client does
+/// not hear of: no close, no error) is taken for dead once it has delivered nothing for its
+/// bound (`WatchParams::timeout`, sent as `timeoutSeconds`) plus kube-runtime's 5 s, and
+/// reopened from where it was. Without a bound the watch asks for 290 s, so a dead one
+/// stays unnoticed for 295 s.
+#[tokio::test]
+async fn a_silent_watch_is_reopened_after_its_timeout() {
+    use http_body_util::{Either, Full, StreamBody};
+    let log = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
+    let l = log.clone();
+    let svc = tower::service_fn(move |req: Request<Body>| {
+        let l = l.clone();
+        async move {
+            let uri = req.uri().to_string();
+            let n = {
+                let mut l = l.lock().unwrap();
+                l.push((Instant::now(), uri));
+                l.len() - 1
+            };
+            let bytes = |text: String| async move {
+                Body::from(text.into_bytes()).collect_bytes().await.unwrap()
+            };
+            let body = match n {
+                0 => Either::Left(Full::new(bytes(list(vec![va("a", "5")], "10", None)).await)),
+                // The first watch: headers, then nothing ever again.
+                1 => {
+                    // (`once(..).take(0)` only names the frame type for `pending`.)
+                    let some = bytes(" ".into()).await;
+                    Either::Right(StreamBody::new(
+                        futures::stream::once(
+                            async move { Full::new(some).frame().await.unwrap() },
+                        )
+                        .take(0)
+                        .chain(futures::stream::pending()),
+                    ))
+                }
+                2 => Either::Left(Full::new(
+                    bytes(watch_lines(&[("MODIFIED", va("a", "11"))])).await,
+                )),
+                _ => Either::Left(Full::new(bytes(String::new()).await)),
+            };
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(200)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .unwrap(),
+            )
+        }
+    });
+    let cluster = Cluster::kube(fencecsi_cluster::kube::Client::new(svc, "default"));
+    let mut w = cluster
+        .api::<VolumeAttachment>(None)
+        .watch(&WatchParams::default().timeout(1))
+        .unwrap();
+    let WatchEvent::Listed(items) = next(&mut w).await else {
+        panic!("first is Listed")
+    };
+    assert_eq!(names(&items), ["a"]);
+    let ev = tokio::time::timeout(Duration::from_secs(30), w.next())
+        .await
+        .expect("the silent watch was reopened in time")
+        .expect("stream open");
+    let WatchEvent::Modified(a) = ev else {
+        panic!("then the change, from the reopened watch: {ev:?}")
+    };
+    assert_eq!(a.metadata.resource_version.as_deref(), Some("11"));
+
+    let log = log.lock().unwrap().clone();
+    let (silent_at, silent) = &log[1];
+    let (reopened_at, reopened) = &log[2];
+    assert!(
+        silent.contains("watch=true") && silent.contains("timeoutSeconds=1"),
+        "{silent}"
+    );
+    assert!(
+        reopened.contains("watch=true") && reopened.contains("resourceVersion=10"),
+        "resumed, not re-listed: {reopened}"
+    );
+    let silent_for = reopened_at.duration_since(*silent_at);
+    assert!(
+        silent_for >= Duration::from_secs(5) && silent_for < Duration::from_secs(20),
+        "reopened after {silent_for:?}: the bound is 1 s + 5 s"
+    );
+
+    // Control: without a bound the watch asks for kube-runtime's longest.
+    let (cluster, log) = fake(|_, n| match n {
+        0 => (200, list(vec![], "10", None)),
+        _ => (200, String::new()),
+    });
+    let mut w = cluster
+        .api::<VolumeAttachment>(None)
+        .watch(&WatchParams::default())
+        .unwrap();
+    assert!(matches!(next(&mut w).await, WatchEvent::Listed(_)));
+    let watch = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(s) = log.lock().unwrap().get(1) {
+                return s.uri.clone();
+            }
+            // The watcher starts its watch call only when polled.
+            let _ = tokio::time::timeout(Duration::from_millis(10), w.next()).await;
+        }
+    })
+    .await
+    .expect("the watch was started");
+    assert!(watch.contains("timeoutSeconds=290"), "{watch}");
 }
 
 /// A server (or proxy) that ends every watch at once: kube-runtime reopens it

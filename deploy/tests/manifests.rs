@@ -13,6 +13,9 @@
 //! - Paths and names: the CSI socket as the driver serves it, as the sidecars and the
 //!   registrar name it and as the volumes mount it; kubelet and state directories; the driver
 //!   name in the CSIDriver, the StorageClasses and the code; the safe-detach annotation key.
+//! - StorageClass parameters under external-provisioner's own rules (one filesystem key,
+//!   only the reserved `csi.storage.k8s.io/` keys it knows), which it checks only when a
+//!   PVC is provisioned.
 //! - Pod hygiene (resources, probes, shutdown ordering, security contexts, images), the kind
 //!   cluster config and the Dockerfile.
 //!
@@ -1842,23 +1845,23 @@ fn names_agree_with_the_code() {
     for (doc, sc) in &classes {
         assert_eq!(sc.provisioner, name, "StorageClass {}", doc.name());
         let p = sc.parameters.clone().unwrap_or_default();
+        // The provisioner passes this one in each capability's mount.fs_type (and the
+        // PV's spec.csi.fsType); the driver's CreateVolume takes the filesystem from there.
         let fs = p
-            .get("fsType")
-            .unwrap_or_else(|| panic!("StorageClass {}: no fsType", doc.name()));
+            .get(PROVISIONER_FSTYPE_KEY)
+            .unwrap_or_else(|| panic!("StorageClass {}: no {PROVISIONER_FSTYPE_KEY}", doc.name()));
         assert!(
             fencecsi_driver::capability::FS_TYPES.contains(&fs.as_str()),
-            "fsType {fs}"
+            "{PROVISIONER_FSTYPE_KEY} {fs}"
         );
         assert_eq!(doc.name(), format!("fencecsi-{fs}"));
-        assert_eq!(
-            p.get("csi.storage.k8s.io/fstype"),
-            Some(fs),
-            "the PV's fsType must match"
-        );
+        // The provisioner strips the csi.storage.k8s.io/ keys before CreateVolume; anything
+        // else reaches the driver, which refuses parameters it does not know.
         for k in p.keys() {
             assert!(
-                k == "fsType" || k.starts_with("csi.storage.k8s.io/"),
-                "the driver refuses parameter {k}"
+                k.starts_with(PROVISIONER_RESERVED_PREFIX),
+                "StorageClass {}: parameter {k} reaches the driver, which refuses it",
+                doc.name()
             );
         }
         assert_eq!(
@@ -1905,6 +1908,141 @@ fn names_agree_with_the_code() {
 // ---------------------------------------------------------------------------------------
 // Pod hygiene
 // ---------------------------------------------------------------------------------------
+
+// ---------------------------------------------------------------------------------------
+// StorageClass parameters as external-provisioner reads them
+// ---------------------------------------------------------------------------------------
+
+/// The prefix of the parameters external-provisioner keeps for itself: it reads them and
+/// strips them before CreateVolume.
+const PROVISIONER_RESERVED_PREFIX: &str = "csi.storage.k8s.io/";
+/// The parameter that names the filesystem to external-provisioner.
+const PROVISIONER_FSTYPE_KEY: &str = "csi.storage.k8s.io/fstype";
+/// The `csi.storage.k8s.io/` keys external-provisioner knows (v5.x and v6.x,
+/// `removePrefixedParameters` in pkg/controller/controller.go), compared exactly. Any
+/// other key with that prefix fails provisioning ("found unknown parameter key ... with
+/// reserved namespace"). `secret-name`/`secret-namespace` are the older spellings of the
+/// default secret, still accepted.
+const PROVISIONER_RESERVED_KEYS: &[&str] = &[
+    "fstype",
+    "secret-name",
+    "secret-namespace",
+    "provisioner-secret-name",
+    "provisioner-secret-namespace",
+    "controller-publish-secret-name",
+    "controller-publish-secret-namespace",
+    "node-stage-secret-name",
+    "node-stage-secret-namespace",
+    "node-publish-secret-name",
+    "node-publish-secret-namespace",
+    "controller-expand-secret-name",
+    "controller-expand-secret-namespace",
+    "node-expand-secret-name",
+    "node-expand-secret-namespace",
+];
+
+/// Why external-provisioner would refuse to provision from a StorageClass with these
+/// parameters (empty: it accepts them). Its own rules, from `prepareProvision` and
+/// `removePrefixedParameters`:
+/// - the legacy key `fstype` matches in any case (`fsType`, `FSTYPE`, ...), the prefixed
+///   one exactly; more than one of them is an error, even when they agree;
+/// - a key with the reserved prefix must be one of [`PROVISIONER_RESERVED_KEYS`] (exactly:
+///   `csi.storage.k8s.io/fsType` is an unknown key, not the filesystem).
+fn external_provisioner_refusals(params: &BTreeMap<String, String>) -> Vec<String> {
+    let mut refusals = Vec::new();
+    let fs_keys: Vec<&String> = params
+        .keys()
+        .filter(|k| k.to_lowercase() == "fstype" || k.as_str() == PROVISIONER_FSTYPE_KEY)
+        .collect();
+    if fs_keys.len() > 1 {
+        refusals.push(format!(
+            "fstype specified in parameters with both \"fstype\" and \"{PROVISIONER_FSTYPE_KEY}\" keys: {fs_keys:?}"
+        ));
+    }
+    for k in params.keys() {
+        if let Some(rest) = k.strip_prefix(PROVISIONER_RESERVED_PREFIX) {
+            if !PROVISIONER_RESERVED_KEYS.contains(&rest) {
+                refusals.push(format!(
+                    "found unknown parameter key {k:?} with reserved namespace {PROVISIONER_RESERVED_PREFIX}"
+                ));
+            }
+        }
+    }
+    refusals
+}
+
+#[test]
+fn storage_classes_pass_the_external_provisioners_parameter_checks() {
+    let params = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    // Positive controls: the rule refuses what the provisioner refuses...
+    for (what, bad) in [
+        (
+            "fsType and the prefixed key (issue 18)",
+            params(&[("fsType", "ext4"), (PROVISIONER_FSTYPE_KEY, "ext4")]),
+        ),
+        (
+            "the legacy key in another case",
+            params(&[("FSTYPE", "xfs"), (PROVISIONER_FSTYPE_KEY, "xfs")]),
+        ),
+        (
+            "an unknown reserved key",
+            params(&[
+                (PROVISIONER_FSTYPE_KEY, "ext4"),
+                ("csi.storage.k8s.io/foo", "x"),
+            ]),
+        ),
+        (
+            "the prefixed key mis-cased",
+            params(&[("csi.storage.k8s.io/fsType", "ext4")]),
+        ),
+    ] {
+        assert!(
+            !external_provisioner_refusals(&bad).is_empty(),
+            "{what}: {bad:?} must be refused"
+        );
+    }
+    // ...and accepts what it accepts.
+    for good in [
+        params(&[]),
+        params(&[(PROVISIONER_FSTYPE_KEY, "xfs")]),
+        params(&[("fsType", "ext4")]), // deprecated, but accepted alone
+        params(&[
+            (PROVISIONER_FSTYPE_KEY, "ext4"),
+            ("csi.storage.k8s.io/provisioner-secret-name", "s"),
+            ("csi.storage.k8s.io/secret-namespace", "ns"),
+        ]),
+    ] {
+        assert_eq!(
+            external_provisioner_refusals(&good),
+            Vec::<String>::new(),
+            "{good:?}"
+        );
+    }
+
+    let driver = fencecsi_driver::config::DEFAULT_DRIVER_NAME;
+    let classes: Vec<_> = all::<StorageClass>()
+        .into_iter()
+        .filter(|(_, sc)| sc.provisioner == driver)
+        .collect();
+    assert!(
+        !classes.is_empty(),
+        "no StorageClass of {driver} in deploy/base"
+    );
+    for (doc, sc) in &classes {
+        let p = sc.parameters.clone().unwrap_or_default();
+        let refusals = external_provisioner_refusals(&p);
+        assert!(
+            refusals.is_empty(),
+            "{}: StorageClass {}: external-provisioner refuses it: {refusals:?}",
+            doc.file,
+            doc.name()
+        );
+    }
+}
 
 fn cpu_millis(q: &str) -> u64 {
     match q.strip_suffix('m') {

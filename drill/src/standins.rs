@@ -47,6 +47,11 @@ where
     }))
 }
 
+/// The StorageClass parameter that names the filesystem (as in deploy/base).
+pub const FSTYPE_PARAM: &str = "csi.storage.k8s.io/fstype";
+/// external-provisioner keeps parameters with this prefix for itself.
+const RESERVED_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
+
 /// The drill's StorageClass (the embedded cluster has no StorageClass kind, so the
 /// provisioner holds it).
 #[derive(Debug, Clone)]
@@ -111,11 +116,21 @@ async fn provision(
     let claim = pvc.metadata.name.clone().unwrap_or_default();
     let uid = pvc.metadata.uid.clone().unwrap_or_default();
     let pv_name = format!("pvc-{uid}");
+    // As external-provisioner does: the filesystem named by the class goes into the
+    // capability (and the PV), and its reserved `csi.storage.k8s.io/` keys never reach
+    // CreateVolume, so the driver learns the filesystem from the capability alone.
     let fs = sc
         .parameters
-        .get("fsType")
-        .cloned()
+        .iter()
+        .find(|(k, _)| k.as_str() == FSTYPE_PARAM || k.eq_ignore_ascii_case("fstype"))
+        .map(|(_, v)| v.clone())
         .unwrap_or_else(|| "ext4".into());
+    let parameters: std::collections::HashMap<String, String> = sc
+        .parameters
+        .iter()
+        .filter(|(k, _)| !k.starts_with(RESERVED_PARAM_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     let cap = mount_cap(Access::SingleNodeWriter, &fs);
     let vol = retry_aborted(|| {
         let mut c = controller.clone();
@@ -126,7 +141,7 @@ async fn provision(
                 limit_bytes: 0,
             }),
             volume_capabilities: vec![cap.clone()],
-            parameters: sc.parameters.clone().into_iter().collect(),
+            parameters: parameters.clone(),
             ..Default::default()
         };
         async move { c.controller.create_volume(req).await }

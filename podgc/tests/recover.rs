@@ -299,6 +299,64 @@ async fn recovery_releases_a_fenced_volume_and_reports_the_node_clean() {
     s.env.assert_clean();
 }
 
+/// Issue 18: in a network cut the node plugin's Node watch died without a sign, so the
+/// quarantine written meanwhile never reached its reporter, and the node was not reported
+/// clean for minutes. Now the periodic passes of the node that comes back report it
+/// within the reporter's cache age (short here) whatever the watch does. The same run with
+/// a live watch is `recovery_releases_a_fenced_volume_and_reports_the_node_clean`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_watch_died_in_the_cut_is_reported_clean_within_the_cache_age() {
+    require_root!();
+    let mut s = setup().await;
+    let age = Duration::from_secs(1);
+    let tee = Arc::new(Tee {
+        calls: Mutex::new(vec![]),
+        inner: NodeCleanReporter::new(&s.cluster, "node-a").with_max_cache_age(age),
+    });
+    let a = NodePlugin::start(&s.env, "node-a", 1, tee, Duration::from_millis(300)).await;
+    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
+    let p = s
+        .rig
+        .attach(&s.env, &vol, "node-a", "pod-1", &cap())
+        .await
+        .unwrap();
+    write_record(&p, "before the cut");
+    let r = a.recovery.run_now().await;
+    assert!(r.clean && matches!(r.reported, Some(Ok(true))), "{r:?}");
+    assert_eq!(clean_annotation(&s.cluster).await, None);
+
+    // The cut: the watch goes silent for good; podgc quarantines, the attacher fences,
+    // and podgc re-stamps quarantined-at once the attachment is gone.
+    s.cluster.cut_watches::<Node>();
+    quarantine(&s.cluster).await;
+    s.rig.unpublish(&vol, "node-a", true).await.unwrap();
+    let qa = quarantine(&s.cluster).await;
+
+    // Back: the passes release the volume and report it, newer than the re-stamp.
+    let r = wait_report(&a.recovery, |r| !r.released.is_empty()).await;
+    assert!(r.clean, "{r:?}");
+    assert_released(&s.env, &p, p.generation());
+    let bound = age + Duration::from_secs(5);
+    let clean = tokio::time::timeout(bound, async {
+        loop {
+            if let Some(c) = clean_annotation(&s.cluster).await.filter(|c| *c > qa) {
+                return c;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("node-clean newer than {qa} not written within {bound:?}"));
+    assert!(clean > qa);
+
+    reattach_and_check(&s, &vol, "before the cut").await;
+    a.stop().await;
+    delete(&s.rig, &vol).await;
+    s.rig.stop().await;
+    s.env.assert_clean();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_plugin_that_comes_back_releases_at_start() {
     require_root!();

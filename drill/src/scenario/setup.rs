@@ -29,7 +29,7 @@ use super::node_plugin::NodePlugin;
 use super::wait_until;
 use crate::kubelet::{Board, Kubelet};
 use crate::procs::Procs;
-use crate::standins::{self, StorageClass, Task};
+use crate::standins::{self, StorageClass, Task, FSTYPE_PARAM};
 use crate::{Options, NAMESPACE, STORAGE_CLASS, UNSAFE_DRIVER};
 
 /// What the set-up started. The fields are in the reverse order of starting because they
@@ -96,10 +96,10 @@ pub(super) async fn start(
     let sc = StorageClass {
         name: STORAGE_CLASS.into(),
         provisioner: DRIVER_NAME.into(),
-        parameters: [("fsType".to_string(), opts.fs.clone())].into(),
+        parameters: [(FSTYPE_PARAM.to_string(), opts.fs.clone())].into(),
     };
     p.say(format!(
-        "CSIDriver {DRIVER_NAME} ({SAFE_DETACH_ANNOTATION}=true), StorageClass {} (fsType={})",
+        "CSIDriver {DRIVER_NAME} ({SAFE_DETACH_ANNOTATION}=true), StorageClass {} ({FSTYPE_PARAM}={})",
         sc.name, opts.fs
     ));
     let hb_cfg = sim::HeartbeatConfig {
