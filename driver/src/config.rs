@@ -53,6 +53,16 @@ impl Extensions {
 
 pub use fencecsi_cluster::cli::{parse_duration, LogFormat};
 
+/// `--max-freeze`: a duration of at least one second (a freeze shorter than
+/// that would refuse even small copies on a busy machine).
+pub fn parse_max_freeze(s: &str) -> Result<std::time::Duration, String> {
+    let d = parse_duration(s)?;
+    if d < std::time::Duration::from_secs(1) {
+        return Err(format!("{s:?}: the freeze bound must be at least 1s"));
+    }
+    Ok(d)
+}
+
 /// `--overcommit-ratio`: a finite number, at least 1.
 pub fn parse_overcommit_ratio(s: &str) -> Result<f64, String> {
     let r: f64 = s
@@ -203,6 +213,16 @@ pub struct Config {
     #[arg(long = "gc-interval", alias = "gc-interval-secs", default_value = "10s", value_parser = parse_duration)]
     pub gc_interval: std::time::Duration,
 
+    /// The longest the controller keeps a volume's filesystem frozen for a
+    /// point-in-time copy (snapshot, clone of a volume in use, group snapshot),
+    /// its writers blocked: "10s", "500ms", "2m" or plain seconds, at least 1s.
+    /// Where the state dir makes reflinks (xfs, btrfs) the freeze lasts one
+    /// reflink; elsewhere (ext4) it lasts a full copy of the volume's data, and
+    /// a copy that would take longer is stopped, its writers let go, and the
+    /// call refused (FAILED_PRECONDITION). See `controller::quiesce`.
+    #[arg(long = "max-freeze", default_value = "10s", value_parser = parse_max_freeze)]
+    pub max_freeze: std::time::Duration,
+
     /// Node return: how often the node plugin looks for volumes whose attachment was
     /// fenced away from this node and force-releases them (mounts, globalmount dir, loop
     /// device). A pass also runs at start. "10s", "500ms", "2m" or plain seconds; 0 turns
@@ -330,6 +350,7 @@ impl Config {
             advertise_extensions: Extensions::Negotiated,
             log_format: LogFormat::Text,
             gc_interval: std::time::Duration::from_secs(10),
+            max_freeze: std::time::Duration::from_secs(10),
             // Off for tests and embedders unless they ask: a background pass would race
             // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
             recover_interval: std::time::Duration::ZERO,
@@ -379,6 +400,22 @@ mod tests {
         }
         assert_eq!(Percent(5.0).bytes_of(1000), 50);
         assert_eq!(Bytes(2000).bytes_of(1000), 1000);
+    }
+
+    #[test]
+    fn max_freeze_is_a_duration_of_at_least_a_second() {
+        let base = ["fencecsi-driver", "--mode=controller"];
+        let cfg = Config::try_parse_from(base).unwrap();
+        assert_eq!(cfg.max_freeze, std::time::Duration::from_secs(10));
+        let cfg =
+            Config::try_parse_from(base.iter().copied().chain(["--max-freeze=1500ms"])).unwrap();
+        assert_eq!(cfg.max_freeze, std::time::Duration::from_millis(1500));
+        for bad in ["--max-freeze=500ms", "--max-freeze=0", "--max-freeze=soon"] {
+            assert!(
+                Config::try_parse_from(base.iter().copied().chain([bad])).is_err(),
+                "{bad} accepted"
+            );
+        }
     }
 
     #[test]

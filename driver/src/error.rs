@@ -24,6 +24,9 @@ pub enum CsiError {
     Unimplemented(String),
     #[error("{0}")]
     Internal(String),
+    /// The plugin is shutting down: the CO retries (on its successor).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 pub type CsiResult<T> = Result<T, CsiError>;
@@ -40,6 +43,7 @@ impl CsiError {
             CsiError::Aborted(_) => Code::Aborted,
             CsiError::Unimplemented(_) => Code::Unimplemented,
             CsiError::Internal(_) => Code::Internal,
+            CsiError::Unavailable(_) => Code::Unavailable,
         }
     }
 

@@ -5,6 +5,12 @@
 //! plugin finishes the retried call without doubling anything. Unset (as in
 //! production), every `hit` is one relaxed load and a comparison.
 //!
+//! Stall points (`stall(name)`), armed the same way, hold the calling thread
+//! for good and name it [`STALLED_THREAD`], so that a test that runs the real
+//! binary finds the thread in `/proc/<pid>/task/*/comm` and SIGKILLs the
+//! process at that step (a crash where something is held that an abort at a
+//! `hit` would not show, such as a filesystem frozen during a copy).
+//!
 //! Pause points (`pause(name, key)`) hold a call at one step while a test in
 //! the same process interleaves another (race tests); only `arm_pause` from
 //! that process arms one, so in production none ever blocks.
@@ -35,6 +41,24 @@ pub fn hit(name: &str) {
     if armed().iter().any(|p| p == name) {
         eprintln!("fencecsi-driver: failpoint {name} hit: aborting");
         std::process::abort();
+    }
+}
+
+/// The name (`comm`) a thread held at a stall point takes.
+pub const STALLED_THREAD: &str = "fp-stalled";
+
+/// Holds the calling thread for good (see the module docs) when the stall
+/// point `name` is armed; returns at once otherwise.
+pub fn stall(name: &str) {
+    if !armed().iter().any(|p| p == name) {
+        return;
+    }
+    let comm = std::ffi::CString::new(STALLED_THREAD).expect("no NUL in the name");
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, comm.as_ptr(), 0, 0, 0) };
+    eprintln!("fencecsi-driver: stall point {name} reached: this thread waits to be killed");
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
     }
 }
 

@@ -147,8 +147,19 @@ fn fence(
     pick: &dyn Fn(&LoopInfo) -> bool,
 ) -> Result<FenceReport, FenceError> {
     let start = Instant::now();
-    ensure_trailer(path, data_bytes)?;
-    let _lock = BackingLock::on_path(path, true).map_err(io_err(path))?;
+    // The lock orders this fence with node-side attaches, but a node that
+    // hangs holding it must not hold up the fence: past the bound the fence
+    // goes on. The marker below is then made before the holder scan, and an
+    // attach checks the marker again after its device exists (see
+    // `Node::find_or_attach`), so it either is seen here or refuses itself.
+    let _lock = match BackingLock::on_path(path, true, crate::locks::NODE_LOCK_WAIT) {
+        Ok(l) => Some(l),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            tracing::warn!(path = %path.display(), wait = ?crate::locks::NODE_LOCK_WAIT, "a node process holds the image lock (stuck in an attach?): fencing without it");
+            None
+        }
+        Err(e) => return Err(io_err(path)(e)),
+    };
     if immutable {
         let marker = marker_path(path);
         std::fs::File::create(&marker)
@@ -156,6 +167,10 @@ fn fence(
             .and_then(|_| fsops::fsync_parent(&marker))
             .map_err(io_err(path))?;
     }
+    // After the marker: a retried fence of an image that lacks its trailer
+    // thaws the immutable flag for a moment to extend it, and a writable
+    // open in that moment would have passed the flag but not the marker.
+    ensure_trailer(path, data_bytes)?;
     // Second layer: from here on no new writable open of the image succeeds
     // where the flag can be set. New holders are kept out by the marker (an
     // attach checks it under the shared lock this fence holds exclusively).
@@ -236,6 +251,36 @@ fn fence(
         immutable: flagged,
         elapsed,
     })
+}
+
+/// Makes every unfenced holder of `path` show exactly `[0, data_bytes)`
+/// (after a growth of the data, or a device attached before windows
+/// existed); devices in a fence window are left alone. Only the controller
+/// remaps devices, so a node that hangs can never undo a fence with a stale
+/// widen; the image lock keeps a node's concurrent detach from losing its
+/// autoclear flag. Returns the devices widened.
+pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, FenceError> {
+    let _lock =
+        BackingLock::on_path(path, true, crate::locks::NODE_LOCK_WAIT).map_err(io_err(path))?;
+    let mut widened = Vec::new();
+    for lo in holders(path)? {
+        let shows_data = lo.offset == 0 && !is_fenced_device(&lo, data_bytes);
+        if !shows_data || (lo.size_limit == data_bytes && lo.size_bytes == data_bytes) {
+            continue;
+        }
+        match loopdev::remap(&lo.device, 0, data_bytes) {
+            Ok(after) => widened.push(after),
+            Err(loopdev::LoopError::NotBound(_)) => {}
+            Err(e) => {
+                return Err(FenceError::Remap {
+                    path: path.into(),
+                    device: lo.device.clone(),
+                    message: e.to_string(),
+                })
+            }
+        }
+    }
+    Ok(widened)
 }
 
 /// Remaps one device in three steps. A request that passed the block

@@ -91,12 +91,58 @@ pub fn grow(path: &Path, size: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// The time a copy's source holds still (its writers frozen, see
+/// `controller::quiesce`), as a copy sees it: the copy asks whether the window
+/// is still open before the reflink and before each range it copies, stops at
+/// once when it is not, and says when it has read the whole source, so that
+/// the writers can go on before the copy's own flush.
+pub trait SourceWindow {
+    /// Whether the source still holds still. A copy that finds the window
+    /// closed fails with [`io::ErrorKind::TimedOut`] and leaves nothing.
+    fn open(&self) -> bool;
+    /// The source has been read in full (a reflink made, or the last range
+    /// copied): returns whether the window was still open until then. When it
+    /// was not, the copy is not one instant and fails as above.
+    fn close(&self) -> bool;
+}
+
+/// The window of a source that holds still by itself (fenced, a snapshot):
+/// always open.
+pub struct Unbounded;
+
+impl SourceWindow for Unbounded {
+    fn open(&self) -> bool {
+        true
+    }
+    fn close(&self) -> bool {
+        true
+    }
+}
+
+fn window_closed() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the source's writers were let go before the copy had read it (the freeze bound passed)",
+    )
+}
+
 /// Clones the first `data_len` bytes of `src` into a new file `dst` of
 /// `final_len` bytes (anything past `data_len` reads as zeros): a reflink
 /// where the filesystem can, else a copy of the data ranges only. `dst` is
 /// written under a temporary name and renamed into place, so a crash never
 /// leaves a half copy at `dst`.
 pub fn clone_file(src: &Path, dst: &Path, data_len: u64, final_len: u64) -> io::Result<CloneKind> {
+    clone_file_in(src, dst, data_len, final_len, &Unbounded)
+}
+
+/// [`clone_file`] of a source that holds still only while `window` is open.
+pub fn clone_file_in(
+    src: &Path,
+    dst: &Path,
+    data_len: u64,
+    final_len: u64,
+    window: &dyn SourceWindow,
+) -> io::Result<CloneKind> {
     let tmp = dst.with_extension("partial");
     let _ = std::fs::remove_file(&tmp);
     let source = File::open(src)?;
@@ -106,6 +152,9 @@ pub fn clone_file(src: &Path, dst: &Path, data_len: u64, final_len: u64) -> io::
         .mode(0o600)
         .open(&tmp)?;
     let result = (|| {
+        if !window.open() {
+            return Err(window_closed());
+        }
         // SAFETY: both fds are valid for the duration of the call.
         let kind = match unsafe { ficlone(target.as_raw_fd(), source.as_raw_fd() as libc::c_ulong) }
         {
@@ -116,11 +165,15 @@ pub fn clone_file(src: &Path, dst: &Path, data_len: u64, final_len: u64) -> io::
                 | nix::errno::Errno::EINVAL
                 | nix::errno::Errno::ENOTTY,
             ) => {
-                sparse_copy(&source, &target, data_len)?;
+                sparse_copy(&source, &target, data_len, window)?;
                 CloneKind::SparseCopy
             }
             Err(e) => return Err(io::Error::from(e)),
         };
+        // The source is read: its writers may go on while this copy is flushed.
+        if !window.close() {
+            return Err(window_closed());
+        }
         // Whatever lay past the data (a fence trailer) is not copied: cut, then extend.
         target.set_len(data_len)?;
         target.set_len(final_len)?;
@@ -163,8 +216,13 @@ pub fn can_reflink(dir: &Path) -> bool {
     ok
 }
 
-/// Copies only the data extents (SEEK_DATA/SEEK_HOLE), keeping holes.
-fn sparse_copy(src: &File, dst: &File, limit: u64) -> io::Result<()> {
+/// The most [`sparse_copy`] copies between two looks at its window: at a few
+/// hundred MB/s, a window that closes stops the copy within a fraction of a second.
+const COPY_CHUNK: u64 = 64 << 20;
+
+/// Copies only the data extents (SEEK_DATA/SEEK_HOLE), keeping holes; stops
+/// when `window` closes (checked before each range of at most [`COPY_CHUNK`]).
+fn sparse_copy(src: &File, dst: &File, limit: u64, window: &dyn SourceWindow) -> io::Result<()> {
     let len = src.metadata()?.len().min(limit);
     dst.set_len(len)?;
     let (sfd, dfd) = (src.as_raw_fd(), dst.as_raw_fd());
@@ -191,7 +249,10 @@ fn sparse_copy(src: &File, dst: &File, limit: u64) -> io::Result<()> {
         let mut off_in = data;
         let mut off_out = data;
         while off_in < hole {
-            let chunk = (hole - off_in).min(1 << 30) as usize;
+            if !window.open() {
+                return Err(window_closed());
+            }
+            let chunk = (hole - off_in).min(COPY_CHUNK as i64) as usize;
             // SAFETY: valid fds and offset pointers owned by this frame.
             let n = unsafe { libc::copy_file_range(sfd, &mut off_in, dfd, &mut off_out, chunk, 0) };
             if n < 0 {
@@ -311,6 +372,69 @@ mod tests {
             c[40 << 20..].iter().all(|b| *b == 0),
             "the tail past the data was copied"
         );
+    }
+
+    /// A window that closes during the copy (or before the copy says it has
+    /// read the source) fails the copy and leaves nothing; an open one is
+    /// told once, after the source was read.
+    #[test]
+    fn a_copy_stops_when_its_window_closes() {
+        use std::cell::Cell;
+        struct Counting {
+            opens_left: Cell<u32>,
+            closes: Cell<u32>,
+            close_answer: bool,
+        }
+        impl SourceWindow for Counting {
+            fn open(&self) -> bool {
+                let left = self.opens_left.get();
+                self.opens_left.set(left.saturating_sub(1));
+                left > 0
+            }
+            fn close(&self) -> bool {
+                self.closes.set(self.closes.get() + 1);
+                self.close_answer
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("a.img");
+        // Three data ranges of more than one chunk in all, so the copy looks
+        // at its window several times.
+        create_sparse(&src, 3 * COPY_CHUNK).unwrap();
+        let f = OpenOptions::new().write(true).open(&src).unwrap();
+        for i in 0..3u64 {
+            use std::os::unix::fs::FileExt;
+            f.write_all_at(&[0x5a; 4096], i * COPY_CHUNK + 8192)
+                .unwrap();
+        }
+        f.sync_all().unwrap();
+        let reflinks = can_reflink(dir.path());
+        let w = |opens_left, close_answer| Counting {
+            opens_left: Cell::new(opens_left),
+            closes: Cell::new(0),
+            close_answer,
+        };
+        let dst = dir.path().join("b.img");
+        for (window, what) in [
+            (w(0, true), "closed before the copy"),
+            (w(2, true), "closed during the copy"),
+            (w(100, false), "closed before the copy said it had read"),
+        ] {
+            if reflinks && what == "closed during the copy" {
+                continue; // one reflink: nothing in between to stop
+            }
+            let err =
+                clone_file_in(&src, &dst, 3 * COPY_CHUNK, 3 * COPY_CHUNK, &window).expect_err(what);
+            assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{what}: {err}");
+            assert!(
+                !dst.exists() && !dir.path().join("b.partial").exists(),
+                "{what}"
+            );
+        }
+        let open = w(100, true);
+        clone_file_in(&src, &dst, 3 * COPY_CHUNK, 3 * COPY_CHUNK, &open).unwrap();
+        assert_eq!(open.closes.get(), 1);
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
     }
 
     #[test]

@@ -614,26 +614,23 @@ pub struct BackingLock {
 }
 
 impl BackingLock {
-    /// Locks `path` (shared or exclusive), waiting for the other side.
-    pub fn on_path(path: &Path, exclusive: bool) -> io::Result<BackingLock> {
+    /// Locks `path` (shared or exclusive), waiting at most `wait` for the
+    /// other side (then `ErrorKind::TimedOut`).
+    pub fn on_path(path: &Path, exclusive: bool, wait: Duration) -> io::Result<BackingLock> {
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(path)?;
-        let op = if exclusive {
-            libc::LOCK_EX
-        } else {
-            libc::LOCK_SH
-        };
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(BackingLock { _file: file })
+        Ok(BackingLock {
+            _file: crate::locks::flock_within(file, exclusive, wait)?,
+        })
     }
 
     /// Exclusive lock on the backing file of loop device `number`, if that
-    /// file can still be reached at the path sysfs reports.
+    /// file can still be reached at the path sysfs reports and the lock can
+    /// be had within [`crate::locks::NODE_LOCK_WAIT`]. Without it a detach
+    /// still goes on: at worst a remap running meanwhile drops its autoclear
+    /// flag, and the device stays bound (fenced or idle) until released again.
     fn exclusive_for(number: u32, dev: u64, ino: u64) -> Option<BackingLock> {
         let raw = std::fs::read_to_string(sys_loop_dir(number).join("loop/backing_file")).ok()?;
         let path = PathBuf::from(raw.trim_end_matches('\n'));
@@ -641,7 +638,13 @@ impl BackingLock {
         if meta.dev() != dev || meta.ino() != ino {
             return None;
         }
-        BackingLock::on_path(&path, true).ok()
+        match BackingLock::on_path(&path, true, crate::locks::NODE_LOCK_WAIT) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "detaching without the image lock");
+                None
+            }
+        }
     }
 }
 
@@ -1241,7 +1244,9 @@ mod tests {
             let (dev, file) = (g.0.device.clone(), img.clone());
             let (read_tx, read_rx) = std::sync::mpsc::channel();
             let remapper = std::thread::spawn(move || {
-                let _l = locked.then(|| BackingLock::on_path(&file, true).unwrap());
+                let _l = locked.then(|| {
+                    BackingLock::on_path(&file, true, crate::locks::NODE_LOCK_WAIT).unwrap()
+                });
                 let f = open_loop(&dev, false).unwrap();
                 let raw = get_status_raw(&f, &dev).unwrap();
                 read_tx.send(()).unwrap();

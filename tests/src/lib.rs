@@ -396,7 +396,9 @@ impl Process {
             .arg("--kubelet-dir")
             .arg(&cfg.kubelet_dir);
         cmd.arg("--gc-interval")
-            .arg(format!("{}ms", cfg.gc_interval.as_millis()));
+            .arg(format!("{}ms", cfg.gc_interval.as_millis()))
+            .arg("--max-freeze")
+            .arg(format!("{}ms", cfg.max_freeze.as_millis()));
         cmd.arg("--max-volumes-per-node")
             .arg(cfg.max_volumes_per_node.to_string())
             .arg("--default-fs-type")

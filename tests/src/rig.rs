@@ -36,6 +36,8 @@ pub struct Rig {
     pub controller: CsiClient,
     pub nodes: HashMap<String, CsiClient>,
     plugins: Vec<InProcess>,
+    /// Whether `plugins[0]` is the controller (not with [`Rig::start_nodes`]).
+    own_controller: bool,
 }
 
 /// Where a volume is staged and published on one node.
@@ -88,12 +90,34 @@ impl Rig {
             controller,
             nodes: clients,
             plugins,
+            own_controller: true,
+        }
+    }
+
+    /// Node plugins in this process for `nodes`, with a controller served
+    /// elsewhere (say, a driver process a test kills and restarts: it sets
+    /// [`Rig::controller`] to the new one's client itself).
+    pub async fn start_nodes(env: &Env, nodes: &[&str], controller: CsiClient) -> Rig {
+        let mut plugins = Vec::new();
+        let mut clients = HashMap::new();
+        for n in nodes {
+            let (p, c) =
+                InProcess::start(env.config(Mode::Node, Some(n), &format!("node-{n}"))).await;
+            plugins.push(p);
+            clients.insert(n.to_string(), c);
+        }
+        Rig {
+            controller,
+            nodes: clients,
+            plugins,
+            own_controller: false,
         }
     }
 
     /// Stops the controller plugin and starts a new one on the same state
     /// dir, as a crash or an upgrade would.
     pub async fn restart_controller(&mut self, env: &Env) {
+        assert!(self.own_controller, "this rig's controller runs elsewhere");
         let old = self.plugins.remove(0);
         old.stop().await;
         let (p, controller) =

@@ -115,6 +115,11 @@ impl Writer {
         }
     }
 
+    /// The writer process's pid (to look at it in /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn acked(&self) -> u64 {
         self.log.acks.lock().unwrap().len() as u64
     }

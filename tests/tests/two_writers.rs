@@ -224,6 +224,95 @@ async fn unfenced_unpublish_while_held_fences_anyway() {
     detach_delete_and_stop(&env, rig, &b).await;
 }
 
+/// A process of node A's that holds one of the locks a node takes (the
+/// volume dir's, as a stage does around its attach; the image's, as an
+/// attach does), shared, and never lets go: a node frozen mid-call.
+struct StuckLockHolder(std::process::Child);
+
+impl StuckLockHolder {
+    fn on(path: &Path) -> Self {
+        let child = std::process::Command::new("flock")
+            .arg("-s")
+            .arg(path)
+            .args(["sleep", "600"])
+            .spawn()
+            .expect("flock(1) from util-linux");
+        let holder = StuckLockHolder(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Held once an exclusive try fails.
+        while File::open(path).unwrap().try_lock().is_ok() {
+            assert!(Instant::now() < deadline, "flock never took {path:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        holder
+    }
+}
+
+impl Drop for StuckLockHolder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A node that hangs holding a lock must not decide whether it is fenced:
+/// whatever lock a node-side process holds, ControllerUnpublishVolume with
+/// `fence` answers within its bound, the node's writes fail from then on,
+/// and node B gets the volume with what A wrote before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_unpublish_answers_whatever_lock_a_node_process_holds() {
+    require_root!();
+    for lock in ["volume dir", "image"] {
+        let (env, rig) = start(&["node-a", "node-b"]).await;
+        let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+        let (vol, a) = rig
+            .create_attached(&env, "stuck", SIZE, &cap, "node-a", "pod-a")
+            .await;
+        let image = generation_path(&env, &vol.volume_id, a.generation());
+        assert_write_lands(
+            &image,
+            SIZE as u64,
+            "control: the write reached the data",
+            || write_and_sync(&a.target, "before").expect("control: node A writes"),
+        );
+        let locked = match lock {
+            "volume dir" => env.state_dir().join("volumes").join(&vol.volume_id),
+            _ => image.clone(),
+        };
+        let holder = StuckLockHolder::on(&locked);
+
+        let started = Instant::now();
+        rig.unpublish(&vol.volume_id, "node-a", true)
+            .await
+            .unwrap_or_else(|e| panic!("{lock}: the fence is made without the lock: {e:?}"));
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(15),
+            "{lock}: the fence answered within its bound: {took:?}"
+        );
+        let held = holders(&image).unwrap();
+        assert!(
+            !held.is_empty() && held.iter().all(|l| is_fenced_device(l, SIZE as u64)),
+            "{lock}: node A's device is remapped out of the data: {held:?}"
+        );
+        assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
+            assert!(
+                write_and_sync(&a.target, "after").is_err(),
+                "{lock}: node A can no longer write"
+            )
+        });
+        let b = b_gets_a_new_generation(&env, &rig, &vol.volume_id, &cap).await;
+        assert!(
+            b.target.join("before").exists(),
+            "{lock}: what A wrote before the fence is on B"
+        );
+        eprintln!("stuck {lock} lock: fenced unpublish answered in {took:?}");
+        drop(holder);
+        rig.node_teardown(&a, true).await.unwrap();
+        detach_delete_and_stop(&env, rig, &b).await;
+    }
+}
+
 /// A NodeStageVolume on a node the controller never published to, with a
 /// publish context naming another node's generation (stale or forged).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -316,6 +405,62 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
     drop(dev);
     drop(guard);
     detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// An admin's `losetup` made while the volume is in use on A, with no
+/// publish to come: the controller's next pass fences that device (only it),
+/// and node A keeps writing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_made_after_the_publish_is_fenced_at_the_next_pass() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let rig = Rig::start_with(&env, &["node-a"], |c| {
+        c.gc_interval = Duration::from_millis(200)
+    })
+    .await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, a) = rig
+        .create_attached(&env, "late-stray", SIZE, &cap, "node-a", "pod-a")
+        .await;
+    let image = generation_path(&env, &vol.volume_id, a.generation());
+    // The pass that finds the stray is held before it fences, so the control
+    // below is not a race with it.
+    let paused = failpoint::arm_pause("gc:before-stray-fence", &vol.volume_id);
+    let (stray, guard) = admin_losetup(&image);
+    let dev = open_rw(&stray.device);
+    let reached = tokio::task::block_in_place(|| paused.wait_reached(Duration::from_secs(30)));
+    assert!(reached, "a pass found the stray");
+    assert_write_lands(
+        &image,
+        SIZE as u64,
+        "control: the stray writes the data until it is fenced",
+        || write_through(&dev, 0x77, 60 << 20).unwrap(),
+    );
+    paused.release();
+    wait_until(30, "the stray is fenced by a pass", || {
+        is_fenced_device(&loopdev::status(&stray.device).unwrap(), SIZE as u64)
+    })
+    .await;
+    assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
+        let late = write_through(&dev, 0x99, 60 << 20);
+        assert!(late.is_err(), "the stray can no longer write");
+    });
+    let a_dev = holders(&image)
+        .unwrap()
+        .into_iter()
+        .find(|l| l.tag == node_tag(&vol.volume_id, a.generation(), "node-a"))
+        .expect("A's device");
+    assert!(
+        !is_fenced_device(&a_dev, SIZE as u64),
+        "A's own device is untouched"
+    );
+    assert_write_lands(&image, SIZE as u64, "A still writes its volume", || {
+        write_and_sync(&a.target, "after-stray").expect("A writes")
+    });
+    drop(dev);
+    drop(guard);
+    detach_delete_and_stop(&env, rig, &a).await;
 }
 
 /// A raw block volume published to node A (ControllerPublish alone, no
@@ -491,6 +636,23 @@ impl<'a> StageOnA<'a> {
         )
     }
 
+    /// The positive control of a race test: published to A, A's stage held
+    /// at `point` and let go with nothing in between succeeds, and A holds
+    /// the generation; then unstaged (A stays published). The generation
+    /// and its image.
+    async fn control_at(&self, env: &Env, point: &str) -> (u64, PathBuf) {
+        let ctx = publish_to(self.rig, self.vol, "node-a", &self.cap).await;
+        let gen = ctx_generation(&ctx);
+        let image = generation_path(env, self.vol, gen);
+        self.pause_at(point, &ctx)
+            .finish()
+            .await
+            .expect("control: A's stage succeeds with nothing in between");
+        assert_eq!(holder_tags(&image), vec![node_tag(self.vol, gen, "node-a")]);
+        self.unstage(false).await;
+        (gen, image)
+    }
+
     async fn unstage(&self, force: bool) {
         self.rig
             .node("node-a")
@@ -571,19 +733,7 @@ async fn a_stage_whose_attachment_moved_before_its_attach_is_refused() {
 
     // Positive control: paused at the same point and let go with nothing in
     // between, A's stage succeeds and A holds the generation.
-    let ctx = publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
-    let gen = ctx_generation(&ctx);
-    let image = generation_path(&env, &vol.volume_id, gen);
-    stage_a
-        .pause_at(POINT, &ctx)
-        .finish()
-        .await
-        .expect("control: A's stage succeeds without the interleaving");
-    assert_eq!(
-        holder_tags(&image),
-        vec![node_tag(&vol.volume_id, gen, "node-a")]
-    );
-    stage_a.unstage(false).await;
+    let (gen, image) = stage_a.control_at(&env, POINT).await;
     rig.unpublish(&vol.volume_id, "node-a", false)
         .await
         .unwrap();
@@ -625,10 +775,12 @@ async fn a_stage_whose_attachment_moved_before_its_attach_is_refused() {
 }
 
 /// The other half of the same lock: a stage that passed its check under the
-/// lock holds it until its device exists, so an unpublish waits for it,
-/// then sees the device and fences it; node B gets a new generation.
+/// lock holds it until its device exists. A node that hangs right there
+/// must not hold up the unpublish: past its bound the unpublish fences the
+/// generation whole without the lock, the stage that goes on later is
+/// refused by the fence's marker, and node B gets a new generation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unpublish_waits_for_a_checked_stage_and_fences_it() {
+async fn an_unpublish_does_not_wait_for_a_stuck_stage_and_fences_its_generation() {
     require_root!();
     let (env, rig) = start(&["node-a", "node-b"]).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
@@ -637,7 +789,7 @@ async fn an_unpublish_waits_for_a_checked_stage_and_fences_it() {
     let vol_dir = env.state_dir().join("volumes").join(&vol.volume_id);
 
     // Positive control: with no stage under way the same unpublish fences
-    // nothing, so the fence below is owed to A's device.
+    // nothing, so the fence below is owed to A's stuck stage.
     publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
     rig.unpublish(&vol.volume_id, "node-a", false)
         .await
@@ -650,7 +802,7 @@ async fn an_unpublish_waits_for_a_checked_stage_and_fences_it() {
     let ctx = publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
     let gen = ctx_generation(&ctx);
     let image = generation_path(&env, &vol.volume_id, gen);
-    // After the re-check under the lock, before the attach.
+    // After the re-check under the lock, before the attach: held there.
     let stage = stage_a.pause_at("stage:locked-before-attach", &ctx);
     let mut c = rig.controller.clone();
     let req = csi::ControllerUnpublishVolumeRequest {
@@ -659,43 +811,119 @@ async fn an_unpublish_waits_for_a_checked_stage_and_fences_it() {
         fence: false,
         ..Default::default()
     };
+    let started = Instant::now();
     let unpublish =
         tokio::spawn(async move { c.controller.controller_unpublish_volume(req).await });
-    // The kernel shows the unpublish blocked on the volume's lock.
-    wait_until(
-        30,
-        "the unpublish must wait for the stage that holds the lock",
-        || fencecsi_tests::flock_waiter_on(&vol_dir),
-    )
+    // The kernel shows the unpublish waiting for the lock the stage holds...
+    wait_until(30, "the unpublish waits for the stage's lock first", || {
+        fencecsi_tests::flock_waiter_on(&vol_dir)
+    })
     .await;
-    // A's stage may fail in mkfs or mount once fenced: either way its device
-    // exists and is out of the data.
-    let _ = stage.finish().await;
+    // ...and it answers while the stage is still stuck.
     unpublish
         .await
         .unwrap()
-        .expect("the unpublish succeeds, by fencing");
-    let held = holders(&image).unwrap();
+        .expect("the unpublish succeeds, by fencing, with the stage still stuck");
     assert!(
-        held.iter()
-            .any(|l| l.tag == node_tag(&vol.volume_id, gen, "node-a")),
-        "A attached after the unpublish waited: {held:?}"
+        started.elapsed() < Duration::from_secs(15),
+        "the unpublish answered within its bound: {:?}",
+        started.elapsed()
     );
+    let id = match fencecsi_driver::ids::VolumeId::parse(&vol.volume_id).unwrap() {
+        fencecsi_driver::ids::Parsed::Ours(id) => id,
+        _ => unreachable!(),
+    };
+    let record = fencecsi_driver::backend::meta::MetaStore::read_volume(&env.state_dir(), &id)
+        .unwrap()
+        .unwrap();
+    let why = record.generations[&gen]
+        .fence_reason
+        .clone()
+        .unwrap_or_default();
     assert!(
-        held.iter().all(|l| is_fenced_device(l, SIZE as u64)),
-        "every holder is fenced: {held:?}"
+        why.contains("attachments lock"),
+        "the record says why the fence was made: {why:?}"
     );
-    assert!(condition(&rig, &vol.volume_id)
-        .await
-        .message
-        .contains("did not ask"));
     let b = rig
         .attach(&env, &vol.volume_id, "node-b", "pod-b", &cap)
         .await
-        .expect("node B gets the volume");
+        .expect("node B gets the volume while A's stage is still stuck");
     assert!(b.generation() > gen, "node B writes a new generation");
+    let err = stage
+        .finish()
+        .await
+        .expect_err("A's stage, let go, is refused by the fence");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        holders(&image)
+            .unwrap()
+            .iter()
+            .all(|l| l.read_only || is_fenced_device(l, SIZE as u64)),
+        "nothing can write the fenced generation"
+    );
+    write_and_sync(&b.target, "from-b").expect("B writes its volume");
 
     stage_a.unstage(true).await;
+    drop(stage_a);
+    detach_delete_and_stop(&env, rig, &b).await;
+}
+
+/// The stage stuck one step later, inside its attach (holding the image's
+/// lock too, after its check of the fence marker): the fence goes on without
+/// either lock, and the attach that follows sees the marker after its device
+/// exists, fences and releases that device, and is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_a_fence_overtook_fences_and_releases_its_own_device() {
+    require_root!();
+    let (env, rig) = start(&["node-a", "node-b"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = rig.create("overtaken", SIZE, &cap).await;
+    let stage_a = StageOnA::new(&env, &rig, &vol.volume_id, &cap);
+    const POINT: &str = "stage:attach-checked";
+
+    // Positive control: held at the same point and let go with nothing in
+    // between, the stage attaches and stages.
+    let (_, image) = stage_a.control_at(&env, POINT).await;
+    assert!(holder_tags(&image).is_empty(), "control: unstaged");
+    // A is still published: the same context again.
+    let ctx = publish_to(&rig, &vol.volume_id, "node-a", &cap).await;
+
+    let stage = stage_a.pause_at(POINT, &ctx);
+    let started = Instant::now();
+    rig.unpublish(&vol.volume_id, "node-a", true)
+        .await
+        .expect("the fenced unpublish answers with the stage stuck inside its attach");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "within its bound: {:?}",
+        started.elapsed()
+    );
+    // The immutable flag is a second layer the fence sets where it can; a
+    // backing filesystem without it leaves the marker alone to keep the
+    // attach out, which is what is tested here.
+    fencecsi_driver::fsops::set_immutable(&image, false).unwrap();
+    let err = stage
+        .finish()
+        .await
+        .expect_err("the attach the fence overtook is refused");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("fenced while this node attached it"),
+        "refused by the check after the attach: {err:?}"
+    );
+    assert!(
+        holders(&image)
+            .unwrap()
+            .iter()
+            .all(|l| is_fenced_device(l, SIZE as u64)),
+        "no device shows the fenced generation's data"
+    );
+    assert!(
+        !env.mounts().contains(&stage_a.staging),
+        "nothing was mounted for A"
+    );
+    let b = b_gets_a_new_generation(&env, &rig, &vol.volume_id, &cap).await;
+
     drop(stage_a);
     detach_delete_and_stop(&env, rig, &b).await;
 }

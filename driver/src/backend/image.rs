@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Backend, BackendError, Capacity, DataRef};
 use crate::fence::{self, FenceReport};
-use crate::fsops::{self, CloneKind};
+use crate::fsops::{self, CloneKind, SourceWindow};
 use crate::ids::{SnapshotId, VolumeId};
 use crate::loopdev::LoopInfo;
 
@@ -86,13 +86,14 @@ impl Backend for ImageBackend {
         .map_err(BackendError::io(format!("creating {}", path.display())))
     }
 
-    fn clone_data(
+    fn clone_data_in(
         &self,
         src: &DataRef,
         src_bytes: u64,
         vol: &VolumeId,
         gen: u64,
         size: u64,
+        window: &dyn SourceWindow,
     ) -> Result<CloneKind, BackendError> {
         let from = match src {
             DataRef::Generation(v, g) => self.generation_path(v, *g),
@@ -106,9 +107,18 @@ impl Backend for ImageBackend {
             tracing::info!(path = %to.display(), "clone target already complete from an earlier attempt");
             return Ok(CloneKind::SparseCopy);
         }
-        fsops::clone_file(&from, &to, src_bytes.min(size), size + fence::TRAILER_BYTES).map_err(
-            BackendError::io(format!("cloning {} to {}", from.display(), to.display())),
+        fsops::clone_file_in(
+            &from,
+            &to,
+            src_bytes.min(size),
+            size + fence::TRAILER_BYTES,
+            window,
         )
+        .map_err(BackendError::io(format!(
+            "cloning {} to {}",
+            from.display(),
+            to.display()
+        )))
     }
 
     fn snapshot(
@@ -117,6 +127,7 @@ impl Backend for ImageBackend {
         gen: u64,
         data_bytes: u64,
         snap: &SnapshotId,
+        window: &dyn SourceWindow,
     ) -> Result<(CloneKind, u64), BackendError> {
         let to = self.snapshot_path(snap);
         Self::ensure_dir(to.parent().expect("snapshot path has a parent"))?;
@@ -124,7 +135,7 @@ impl Backend for ImageBackend {
         let kind = if to.exists() {
             CloneKind::SparseCopy
         } else {
-            fsops::clone_file(&from, &to, data_bytes, data_bytes)
+            fsops::clone_file_in(&from, &to, data_bytes, data_bytes, window)
                 .map_err(BackendError::io(format!("snapshotting {}", from.display())))?
         };
         let size = std::fs::metadata(&to)
@@ -160,6 +171,18 @@ impl Backend for ImageBackend {
             .and_then(|_| file.set_len(size + fence::TRAILER_BYTES))
             .and_then(|_| file.sync_all())
             .map_err(BackendError::io(format!("growing {}", path.display())))
+    }
+
+    fn widen(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+    ) -> Result<Vec<LoopInfo>, BackendError> {
+        Ok(fence::widen_holders(
+            &self.generation_path(vol, gen),
+            data_bytes,
+        )?)
     }
 
     fn ensure_trailer(
@@ -228,16 +251,26 @@ impl Backend for ImageBackend {
 
     fn remove_generation(&self, vol: &VolumeId, gen: u64) -> Result<(), BackendError> {
         let path = self.generation_path(vol, gen);
-        if !path.exists() {
-            return Ok(());
+        let marker = fence::marker_path(&path);
+        if path.exists() {
+            self.ensure_free(vol, gen)?;
+            if fence::is_frozen(&path)? {
+                fence::thaw(&path)?;
+            }
+            std::fs::remove_file(&path)
+                .map_err(BackendError::io(format!("removing {}", path.display())))?;
+            crate::failpoint::hit("gc:after-image-removed");
         }
-        self.ensure_free(vol, gen)?;
-        if fence::is_frozen(&path)? {
-            fence::thaw(&path)?;
+        // Also when the image is already gone: a crash between the image's
+        // removal and the record's would otherwise leave the marker forever.
+        match std::fs::remove_file(&marker) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(BackendError::io(format!("removing {}", marker.display()))(
+                    e,
+                ))
+            }
+            _ => {}
         }
-        std::fs::remove_file(&path)
-            .map_err(BackendError::io(format!("removing {}", path.display())))?;
-        let _ = std::fs::remove_file(fence::marker_path(&path));
         fsops::fsync_parent(&path).map_err(BackendError::io("syncing directory"))
     }
 

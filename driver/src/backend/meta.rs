@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::fsops::{self, CloneKind};
 use crate::ids::{Parsed, SnapshotId, VolumeId};
+use crate::locks::{CONTROLLER_LOCK_WAIT, NODE_LOCK_WAIT};
 
 /// Where group snapshot records live: `<state>/group-snapshots/<id>.json`.
 pub const GROUPS_DIR: &str = "group-snapshots";
@@ -87,6 +88,11 @@ pub struct VolumeMeta {
     /// What `CreateVolume`/`ControllerModifyVolume` set (see `controller::modify`).
     #[serde(default)]
     pub mutable_parameters: BTreeMap<String, String>,
+    /// Bumped by every write ([`MetaStore::put_volume`]): a write based on an
+    /// older version (another controller wrote since) is refused. 0 in
+    /// records written before versions were kept.
+    #[serde(default)]
+    pub version: u64,
 }
 
 impl VolumeMeta {
@@ -171,6 +177,32 @@ struct Cache {
     groups: BTreeMap<String, GroupSnapshotMeta>,
 }
 
+/// A volume record write or removal refused, or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The record on disk is not the one this store last read or wrote:
+    /// another controller changed it meanwhile. Nothing was written.
+    #[error("volume {id}: its record on disk is {on_disk}, this controller last saw {ours}: another controller wrote it since; nothing written")]
+    Stale {
+        id: String,
+        on_disk: String,
+        ours: String,
+    },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// How a record's version reads in [`RecordError::Stale`].
+fn version_text(v: Option<u64>) -> String {
+    match v {
+        Some(v) => format!("version {v}"),
+        None => "absent".into(),
+    }
+}
+
+/// Where every controller serialises its record writes: `<state>/records.lock`.
+const RECORDS_LOCK: &str = "records.lock";
+
 pub struct MetaStore {
     root: PathBuf,
     cache: Mutex<Cache>,
@@ -188,6 +220,12 @@ pub struct MetaStore {
 /// loop device exists. So either the unpublish sees the node's device (and
 /// fences it), or the node sees the attachment gone (and attaches nothing).
 ///
+/// A node that hangs while it holds the lock must not hold up a fence: the
+/// controller waits at most [`NODE_LOCK_WAIT`], then an unpublish fences the
+/// target's whole generation without the lock (its marker keeps the stuck
+/// stage's attach out, see `fence::freeze` and `Node::find_or_attach`), and a
+/// publish goes on only when it hands out a new generation.
+///
 /// Lock order: this lock first, then an image's `loopdev::BackingLock` (the
 /// fence and the node's attach take that one inside it). Nothing takes this
 /// lock while holding a `BackingLock` (`loopdev::detach`, the fence, stats),
@@ -198,10 +236,11 @@ pub struct PublishLock {
 }
 
 impl PublishLock {
-    /// Waits for the lock on `id`'s directory (shared or exclusive). NotFound
-    /// when the volume has no directory (it does not exist).
     /// [`PublishLock::take`] for an RPC: a volume without a directory is
-    /// NOT_FOUND, anything else INTERNAL naming `why` the lock was taken.
+    /// NOT_FOUND, a lock still held after the wait ABORTED (the CO retries),
+    /// anything else INTERNAL naming `why` the lock was taken. Only the
+    /// controller takes it exclusive (and waits [`NODE_LOCK_WAIT`] for nodes),
+    /// only nodes shared (and wait [`CONTROLLER_LOCK_WAIT`] for the controller).
     pub fn take_for_rpc(
         state_dir: &Path,
         id: &VolumeId,
@@ -209,36 +248,58 @@ impl PublishLock {
         why: &str,
     ) -> crate::error::CsiResult<Self> {
         use crate::error::CsiError;
-        Self::take(state_dir, id, exclusive).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                CsiError::NotFound(format!("volume {id} does not exist"))
-            }
-            _ => CsiError::internal(why, e),
+        let wait = Self::wait(exclusive);
+        Self::within_for_rpc(state_dir, id, exclusive, why)?.ok_or_else(|| {
+            CsiError::Aborted(format!(
+                "volume {id}: another process held its attachments lock for {wait:?} while {why}; retry later"
+            ))
         })
     }
 
-    pub fn take(state_dir: &Path, id: &VolumeId, exclusive: bool) -> std::io::Result<Self> {
-        use std::os::fd::AsRawFd;
+    /// Like [`PublishLock::take_for_rpc`], but a lock still held after
+    /// `wait` is Ok(None): the caller decides what it may do without it.
+    pub fn within_for_rpc(
+        state_dir: &Path,
+        id: &VolumeId,
+        exclusive: bool,
+        why: &str,
+    ) -> crate::error::CsiResult<Option<Self>> {
+        use crate::error::CsiError;
+        match Self::take(state_dir, id, exclusive, Self::wait(exclusive)) {
+            Ok(l) => Ok(Some(l)),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(CsiError::NotFound(format!("volume {id} does not exist")))
+            }
+            Err(e) => Err(CsiError::internal(why, e)),
+        }
+    }
+
+    fn wait(exclusive: bool) -> std::time::Duration {
+        if exclusive {
+            NODE_LOCK_WAIT
+        } else {
+            CONTROLLER_LOCK_WAIT
+        }
+    }
+
+    /// Takes the lock on `id`'s directory (shared or exclusive), waiting at
+    /// most `wait` (then `ErrorKind::TimedOut`). NotFound when the volume has
+    /// no directory (it does not exist).
+    pub fn take(
+        state_dir: &Path,
+        id: &VolumeId,
+        exclusive: bool,
+        wait: std::time::Duration,
+    ) -> std::io::Result<Self> {
         use std::os::unix::fs::OpenOptionsExt;
         let dir = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(state_dir.join("volumes").join(id.as_str()))?;
-        let op = if exclusive {
-            libc::LOCK_EX
-        } else {
-            libc::LOCK_SH
-        };
-        loop {
-            // SAFETY: flock on a descriptor we own.
-            if unsafe { libc::flock(dir.as_raw_fd(), op) } == 0 {
-                return Ok(PublishLock { _dir: dir });
-            }
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
+        Ok(PublishLock {
+            _dir: crate::locks::flock_within(dir, exclusive, wait)?,
+        })
     }
 }
 
@@ -354,22 +415,71 @@ impl MetaStore {
         (page, more)
     }
 
-    pub fn put_volume(&self, v: &VolumeMeta) -> std::io::Result<()> {
-        write_json(&Self::volume_path(&self.root, &v.id), v)?;
-        self.lock().volumes.insert(v.id.clone(), v.clone());
+    /// Writes `v` as the next version of its record, if the record on disk
+    /// is still the one this store last read or wrote (compare and swap,
+    /// under `records.lock` so two controllers cannot both pass the check):
+    /// a controller that lost the state dir cannot write over a newer record.
+    pub fn put_volume(&self, v: &VolumeMeta) -> Result<(), RecordError> {
+        let _w = self.records_lock()?;
+        let ours = self.check_unchanged(&v.id)?;
+        let mut next = v.clone();
+        next.version = ours.map_or(0, |o| o + 1);
+        write_json(&Self::volume_path(&self.root, &v.id), &next)?;
+        self.lock().volumes.insert(v.id.clone(), next);
         Ok(())
     }
 
-    /// Forgets a volume whose data the backend has already removed.
-    pub fn remove_volume(&self, id: &VolumeId) -> std::io::Result<()> {
+    /// Forgets a volume whose data the backend has already removed (refused,
+    /// like [`MetaStore::put_volume`], when another controller wrote it since;
+    /// a record already gone is forgotten: the data went with its directory).
+    pub fn remove_volume(&self, id: &VolumeId) -> Result<(), RecordError> {
+        let _w = self.records_lock()?;
+        if Self::volume_path(&self.root, id.as_str()).exists() {
+            self.check_unchanged(id.as_str())?;
+        }
         let dir = self.root.join("volumes").join(id.as_str());
         match std::fs::remove_dir_all(&dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
             _ => {}
         }
         fsops::fsync_dir(&self.root.join("volumes"))?;
         self.lock().volumes.remove(id.as_str());
         Ok(())
+    }
+
+    /// Refuses (Stale) when another controller wrote `id`'s record since this
+    /// store last read or wrote it: checked before data is deleted.
+    pub fn ensure_current(&self, id: &VolumeId) -> Result<(), RecordError> {
+        let _w = self.records_lock()?;
+        self.check_unchanged(id.as_str()).map(drop)
+    }
+
+    /// The version of `id`'s record this store holds, after checking the
+    /// disk holds the same (absent on both counts as the same).
+    fn check_unchanged(&self, id: &str) -> Result<Option<u64>, RecordError> {
+        let on_disk =
+            read_json::<VolumeMeta>(&Self::volume_path(&self.root, id))?.map(|d| d.version);
+        let ours = self.lock().volumes.get(id).map(|c| c.version);
+        if on_disk != ours {
+            return Err(RecordError::Stale {
+                id: id.to_string(),
+                on_disk: version_text(on_disk),
+                ours: version_text(ours),
+            });
+        }
+        Ok(ours)
+    }
+
+    /// Held around a record's check and write; only controllers take it, for
+    /// a write's length (another controller's wait is bounded all the same).
+    fn records_lock(&self) -> std::io::Result<std::fs::File> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(self.root.join(RECORDS_LOCK))?;
+        crate::locks::flock_within(f, true, NODE_LOCK_WAIT)
     }
 
     /// How many volumes are attached to `node`.
@@ -552,7 +662,48 @@ mod tests {
             mutable_parameters: BTreeMap::new(),
             attachments: BTreeMap::new(),
             fenced_from: BTreeMap::new(),
+            version: 0,
         }
+    }
+
+    /// Two controllers on one state dir (a stale one whose call went on after
+    /// a successor started): the stale one's write over the newer record is
+    /// refused and changes nothing; the successor's writes go on.
+    #[test]
+    fn a_write_based_on_an_older_record_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = VolumeId::generate().to_string();
+        let first = MetaStore::open(dir.path()).unwrap();
+        first.put_volume(&meta(&id)).unwrap();
+        let second = MetaStore::open(dir.path()).unwrap();
+        let mut grown = second.volume_by_name(&format!("name-{id}")).unwrap();
+        grown.capacity_bytes = 2 << 20;
+        second.put_volume(&grown).unwrap();
+
+        let mut stale = first.volume_by_name(&format!("name-{id}")).unwrap();
+        stale.fs_type = "xfs".into();
+        let err = first.put_volume(&stale).unwrap_err();
+        assert!(matches!(err, RecordError::Stale { .. }), "{err}");
+        let parsed = match VolumeId::parse(&id).unwrap() {
+            Parsed::Ours(v) => v,
+            Parsed::Foreign => unreachable!(),
+        };
+        let err = first.remove_volume(&parsed).unwrap_err();
+        assert!(matches!(err, RecordError::Stale { .. }), "{err}");
+        let err = first.ensure_current(&parsed).unwrap_err();
+        assert!(matches!(err, RecordError::Stale { .. }), "{err}");
+        let on_disk = MetaStore::read_volume(dir.path(), &parsed)
+            .unwrap()
+            .unwrap();
+        assert_eq!(on_disk.capacity_bytes, 2 << 20, "the newer record stands");
+        assert_eq!(on_disk.fs_type, "ext4");
+        // Control: the successor, whose view is current, writes again.
+        grown.fs_type = "xfs".into();
+        second.put_volume(&grown).unwrap();
+        let on_disk = MetaStore::read_volume(dir.path(), &parsed)
+            .unwrap()
+            .unwrap();
+        assert_eq!((on_disk.fs_type.as_str(), on_disk.version), ("xfs", 2));
     }
 
     #[test]

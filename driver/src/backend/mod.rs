@@ -10,7 +10,7 @@ pub mod meta;
 use std::path::PathBuf;
 
 use crate::fence::{FenceError, FenceReport};
-use crate::fsops::CloneKind;
+use crate::fsops::{self, CloneKind, SourceWindow};
 use crate::ids::{SnapshotId, VolumeId};
 use crate::loopdev::LoopInfo;
 
@@ -73,7 +73,8 @@ pub trait Backend: Send + Sync + 'static {
     fn create(&self, vol: &VolumeId, gen: u64, size: u64) -> Result<(), BackendError>;
     /// Makes `vol`/`gen` a copy of the first `src_bytes` of `src` (its data,
     /// never a trailer), with `size` bytes of data. The source must not
-    /// change meanwhile: fenced, or quiesced by the caller.
+    /// change meanwhile: fenced, or quiesced by the caller (then through
+    /// [`Backend::clone_data_in`]).
     fn clone_data(
         &self,
         src: &DataRef,
@@ -81,15 +82,31 @@ pub trait Backend: Send + Sync + 'static {
         vol: &VolumeId,
         gen: u64,
         size: u64,
+    ) -> Result<CloneKind, BackendError> {
+        self.clone_data_in(src, src_bytes, vol, gen, size, &fsops::Unbounded)
+    }
+    /// [`Backend::clone_data`] of a source that holds still only while
+    /// `window` is open (a volume in use, quiesced by the caller): the copy
+    /// stops when it closes and tells it when the source has been read.
+    fn clone_data_in(
+        &self,
+        src: &DataRef,
+        src_bytes: u64,
+        vol: &VolumeId,
+        gen: u64,
+        size: u64,
+        window: &dyn SourceWindow,
     ) -> Result<CloneKind, BackendError>;
     /// Copies the first `data_bytes` of a generation as a snapshot; returns
-    /// its size. The caller quiesces the generation (see `controller::quiesce`).
+    /// its size. The caller quiesces the generation (see `controller::quiesce`);
+    /// `window` is how long it holds still, as in [`Backend::clone_data_in`].
     fn snapshot(
         &self,
         vol: &VolumeId,
         gen: u64,
         data_bytes: u64,
         snap: &SnapshotId,
+        window: &dyn SourceWindow,
     ) -> Result<(CloneKind, u64), BackendError>;
     /// Whether copies are reflinks (atomic against concurrent writers).
     fn reflinks(&self) -> bool;
@@ -97,6 +114,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Grows a generation's data from `old` to `size` bytes (never shrinks),
     /// moving the fence trailer behind it.
     fn grow(&self, vol: &VolumeId, gen: u64, old: u64, size: u64) -> Result<(), BackendError>;
+    /// Makes every unfenced loop device on a generation show its whole data
+    /// (see [`crate::fence::widen_holders`]); the devices widened.
+    fn widen(
+        &self,
+        vol: &VolumeId,
+        gen: u64,
+        data_bytes: u64,
+    ) -> Result<Vec<LoopInfo>, BackendError>;
     /// Gives a generation its fence trailer if it has none (older images).
     fn ensure_trailer(&self, vol: &VolumeId, gen: u64, data_bytes: u64)
         -> Result<(), BackendError>;
@@ -142,5 +167,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the generation's data still exists.
     fn generation_exists(&self, vol: &VolumeId, gen: u64) -> bool {
         self.generation_path(vol, gen).exists()
+    }
+    /// The length of the generation's image (data and trailer), None without one.
+    fn image_bytes(&self, vol: &VolumeId, gen: u64) -> Option<u64> {
+        std::fs::metadata(self.generation_path(vol, gen))
+            .ok()
+            .map(|m| m.len())
     }
 }

@@ -75,7 +75,16 @@ impl Controller {
         }
         // From the holder scans below until the attachment is recorded: a
         // node's stage checks its record and attaches under the same lock.
-        let _publish_lock = self.publish_lock(&id)?;
+        // Without it (a node stuck holding it), only a publish that makes a
+        // new generation is safe: a stuck stage can only attach a
+        // generation it read before, never the new one.
+        let publish_lock = self.publish_lock_within(&id)?;
+        if publish_lock.is_none() && !self.needs_new_generation(&id, &v) {
+            return Err(CsiError::Aborted(format!(
+                "volume {id}: a node process has held its attachments lock for {:?} (a stage stuck mid-attach?); it is published elsewhere once its node is unpublished with a fence",
+                crate::locks::NODE_LOCK_WAIT
+            )));
+        }
         self.lift_fenced_from(&id, &mut v, &req.node_id)?;
         let others: Vec<(&String, &Attachment)> = v.attachments.iter().collect();
         let shared_read_only =
@@ -109,10 +118,7 @@ impl Controller {
         {
             self.fence_strays(&id, &mut v, &req.node_id)?;
         }
-        if v.current_is_fenced()
-            || self.backend.fence_marked(&id, v.current_generation)
-            || !self.backend.generation_exists(&id, v.current_generation)
-        {
+        if self.needs_new_generation(&id, &v) {
             // The copy must not race a writer: a generation fenced by an
             // older driver (flag only) or by a fence a crash interrupted may
             // still have holders over its data.
@@ -122,6 +128,7 @@ impl Controller {
                 self.complete_fence(&id, &mut v, gen, &scan)?;
             }
             self.new_generation(&id, &mut v)?;
+            crate::failpoint::hit("cpublish:after-new-generation");
         }
         let gen = v.current_generation;
         self.backend.ensure_trailer(&id, gen, v.data_bytes(gen))?;
@@ -137,14 +144,24 @@ impl Controller {
         Ok(self.publish_context(&v, &a))
     }
 
-    /// The volume's [`PublishLock`], exclusive.
-    fn publish_lock(&self, id: &VolumeId) -> CsiResult<PublishLock> {
-        PublishLock::take_for_rpc(
+    /// The volume's [`PublishLock`], exclusive, or None when a node process
+    /// still holds it after [`crate::locks::NODE_LOCK_WAIT`].
+    fn publish_lock_within(&self, id: &VolumeId) -> CsiResult<Option<PublishLock>> {
+        PublishLock::within_for_rpc(
             &self.cfg.state_dir,
             id,
             true,
             "locking the volume's attachments against a concurrent stage",
         )
+    }
+
+    /// Whether the next writer gets a new generation: the current one is
+    /// fenced (or its fence was begun) or has no image.
+    fn needs_new_generation(&self, id: &VolumeId, v: &VolumeMeta) -> bool {
+        let gen = v.current_generation;
+        v.current_is_fenced()
+            || self.backend.fence_marked(id, gen)
+            || !self.backend.generation_exists(id, gen)
     }
 
     fn publish_context(&self, v: &VolumeMeta, a: &Attachment) -> ControllerPublishVolumeResponse {
@@ -238,7 +255,15 @@ impl Controller {
         // re-reads the record after and attaches nothing. Without it, such a
         // stage could attach after a scan that found no holder, while a
         // publish to another node hands out the same generation.
-        let _publish_lock = self.publish_lock(&id)?;
+        // A node that hangs holding it must not hold up the unpublish: past
+        // the bound, a target's writable generation is fenced whole whatever
+        // the request asked (the stage may attach it at any time; the
+        // fence's marker makes that attach refuse itself).
+        let publish_lock = self.publish_lock_within(&id)?;
+        let stuck_stage = publish_lock.is_none();
+        if stuck_stage {
+            tracing::warn!(volume = %id, wait = ?crate::locks::NODE_LOCK_WAIT, "a node process holds the volume's attachments lock (a stage stuck mid-attach?): unpublishing without it");
+        }
         let nodes: Vec<String> = if req.node_id.is_empty() {
             v.attachments.keys().cloned().collect()
         } else {
@@ -277,6 +302,12 @@ impl Controller {
             let fenced = v.generations[&gen].fenced_at.is_some();
             if req.fence && (attached || !held.is_empty()) {
                 plan.push((gen, None));
+            } else if stuck_stage && attached {
+                plan.push((gen, Some(format!(
+                    "fenced although the unpublish did not ask: a process of {} held the volume's attachments lock for {:?} (a stage stuck mid-attach?), so it may still attach this generation",
+                    if nodes.len() == 1 { format!("node {}", nodes[0]) } else { "the node".into() },
+                    crate::locks::NODE_LOCK_WAIT
+                ))));
             } else if !held.is_empty()
                 && (!fenced || !held.iter().all(|l| is_fenced_device(l, v.data_bytes(gen))))
             {
@@ -331,6 +362,9 @@ impl Controller {
                     tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, whole = others.is_empty(), "write fence made")
                 }
             }
+        }
+        if !plan.is_empty() {
+            crate::failpoint::hit("unpublish:after-fence");
         }
         let now = now_nanos();
         for (gen, why) in &plan {
@@ -568,8 +602,13 @@ impl Controller {
         for gen in fenced {
             match self.complete_fence(id, v, gen, snapshot) {
                 Ok(fenced) => done += usize::from(fenced),
+                // Once at error level per generation: GC passes repeat it
+                // every interval while the fence stays unavailable.
+                Err(e) if self.first_report_of_unfenceable(id, gen) => {
+                    tracing::error!(volume = %id, generation = gen, error = %e, "a fenced generation still has writable holders over its data and could not be fenced again (repeated at debug level)")
+                }
                 Err(e) => {
-                    tracing::error!(volume = %id, generation = gen, error = %e, "a fenced generation still has writable holders over its data and could not be fenced again")
+                    tracing::debug!(volume = %id, generation = gen, error = %e, "a fenced generation still has writable holders over its data and could not be fenced again")
                 }
             }
         }
@@ -580,6 +619,8 @@ impl Controller {
     /// matching fenced-from marks. Safe to run at any time; skips busy volumes.
     /// Fences again first what [`Controller::complete_fence`] finds.
     pub fn collect_garbage(&self) -> usize {
+        self.thaw_leftover_freezes();
+        self.fence_late_strays();
         let mut removed = 0;
         // One scan of the loop devices per pass, and none when nothing is
         // fenced. A generation that looks released is checked again fresh
@@ -624,10 +665,15 @@ impl Controller {
                 if !released(&id, gen) {
                     continue;
                 }
+                if let Some(why) = self.only_copy(&id, &v, gen) {
+                    tracing::error!(volume = %id, generation = gen, "fenced generation kept: {why}");
+                    continue;
+                }
                 if let Err(e) = self.backend.remove_generation(&id, gen) {
                     tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
                     continue;
                 }
+                crate::failpoint::hit("gc:after-remove");
                 v.generations.remove(&gen);
                 v.fenced_from.retain(|_, g| *g != gen);
                 changed = true;
@@ -654,6 +700,116 @@ impl Controller {
             }
         }
         removed
+    }
+}
+
+impl Controller {
+    /// A writable holder of a published volume's current generation that no
+    /// writable attachment entitles (an admin's `losetup` made after the
+    /// publish, a forged stage) is fenced at the next pass, not only at the
+    /// volume's next publish. Only those devices: the entitled node, and any
+    /// readers, keep theirs. One scan of the loop devices per pass, and none
+    /// when nothing is published.
+    fn fence_late_strays(&self) {
+        let published: Vec<VolumeMeta> = self
+            .store
+            .volumes()
+            .into_iter()
+            .filter(|v| !v.attachments.is_empty() && !v.current_is_fenced())
+            .collect();
+        if published.is_empty() {
+            return;
+        }
+        let snapshot = match self.backend.holder_snapshot() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list holders; strays not checked this pass");
+                return;
+            }
+        };
+        for meta in published {
+            let id = meta.volume_id();
+            let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
+                continue;
+            };
+            let Some(meta) = self.store.volume(&id) else {
+                continue;
+            };
+            let gen = meta.current_generation;
+            let bytes = meta.data_bytes(gen);
+            let entitled: Vec<String> = meta
+                .attachments
+                .iter()
+                .filter(|(_, a)| a.generation == gen && !a.readonly)
+                .map(|(n, _)| node_tag(n))
+                .collect();
+            let is_stray = |tag: Option<&str>| !entitled.iter().any(|e| Some(e.as_str()) == tag);
+            let open: Vec<LoopInfo> =
+                writable_holders(&*self.backend, &snapshot, &id, gen, &is_stray)
+                    .into_iter()
+                    .filter(|l| !is_fenced_device(l, bytes))
+                    .collect();
+            if open.is_empty() || meta.current_is_fenced() {
+                continue;
+            }
+            crate::failpoint::pause("gc:before-stray-fence", id.as_str());
+            let devices = describe(&open);
+            if !self.fence_available() {
+                if self.first_report_of_unfenceable(&id, gen) {
+                    tracing::error!(volume = %id, generation = gen, devices = %devices, "held writable with no attachment, and the fence is not available");
+                }
+                continue;
+            }
+            let pick = |l: &LoopInfo| !l.read_only && is_stray(tag_node(&l.tag, &id, gen));
+            match self
+                .fence_metrics
+                .time(|| self.backend.fence_devices(&id, gen, bytes, &pick))
+            {
+                Ok(report) => {
+                    tracing::warn!(volume = %id, generation = gen, devices = %devices, holders = report.fenced.len(), "write fence made: held writable by devices no attachment entitles")
+                }
+                Err(e) => {
+                    tracing::error!(volume = %id, generation = gen, devices = %devices, error = %e, "could not fence devices no attachment entitles")
+                }
+            }
+        }
+    }
+
+    /// True the first time `gen` of `id` could not be fenced again.
+    fn first_report_of_unfenceable(&self, id: &VolumeId, gen: u64) -> bool {
+        self.unfenceable_reported
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((id.to_string(), gen))
+    }
+
+    /// Why superseded generation `gen` may hold data the current one lacks
+    /// (then it is never deleted), or None. The record alone does not decide:
+    /// a stale record (another controller's, an older version) may understate
+    /// what the images hold, so the image sizes are compared too.
+    fn only_copy(&self, id: &VolumeId, v: &VolumeMeta, gen: u64) -> Option<String> {
+        let cur = v.current_generation;
+        let Some(cur_len) = self.backend.image_bytes(id, cur) else {
+            return Some(format!("the current generation {cur} has no image"));
+        };
+        if v.current().is_some_and(|g| g.origin.is_none()) && cur > gen {
+            return Some(format!(
+                "the current generation {cur} was not copied from an older one"
+            ));
+        }
+        let old_len = self.backend.image_bytes(id, gen).unwrap_or(0);
+        // One trailer of slack: a fence may have grown an old image by a
+        // trailer for a device that showed more than its data.
+        let larger_image = cur_len + crate::fence::TRAILER_BYTES < old_len;
+        if v.data_bytes(cur) < v.data_bytes(gen) || larger_image {
+            return Some(format!(
+                "it holds more data than the current generation {cur} ({} bytes of image, the current {cur_len}; {} bytes of data recorded, the current {})",
+                old_len,
+                v.data_bytes(gen),
+                v.data_bytes(cur)
+            ));
+        }
+        None
     }
 }
 

@@ -193,16 +193,19 @@ impl Controller {
         };
         let (created_at, made) = {
             // Every member's writers stop here, together, until `quiet` drops.
+            // The last member's copy thaws them once it has read its source.
             let (quiet, atomic) = self.quiesce_group(&members)?;
             let at = now_nanos();
             let mut made: Vec<(CloneKind, u64)> = Vec::with_capacity(members.len());
-            for ((vid, gen, bytes), sid) in members.iter().zip(&sids) {
-                match self.backend.snapshot(vid, *gen, *bytes, sid) {
+            for (i, ((vid, gen, bytes), sid)) in members.iter().zip(&sids).enumerate() {
+                let window = quiet.window(i + 1 == members.len());
+                match self.backend.snapshot(vid, *gen, *bytes, sid, &window) {
                     Ok(m) => made.push(m),
                     Err(e) => {
+                        let e = quiet.explain(vid, e.into());
                         drop(quiet);
                         discard("a copy failed");
-                        return Err(e.into());
+                        return Err(e);
                     }
                 }
             }

@@ -51,8 +51,9 @@ pub fn topology_of(value: &str) -> Topology {
 }
 
 pub struct Controller {
-    /// Held until [`Controller::release_ownership`]: one controller per state dir.
-    owner: std::sync::Mutex<Option<OwnerLock>>,
+    /// Held until [`Controller::release_ownership`] and until every call that
+    /// holds a clone ended: one controller per state dir.
+    owner: std::sync::Mutex<Option<Arc<OwnerLock>>>,
     pub(crate) cfg: Config,
     pub(crate) store: MetaStore,
     pub(crate) backend: Arc<dyn Backend>,
@@ -65,13 +66,15 @@ pub struct Controller {
     pub(crate) fence: Result<crate::fence::ProbeReport, String>,
     /// Time to make each fence (the probe's not counted), served as `fence_seconds`.
     pub(crate) fence_metrics: crate::metrics::FenceMetrics,
+    /// Generations that could not be fenced again, already logged at error level.
+    unfenceable_reported: std::sync::Mutex<std::collections::HashSet<(String, u64)>>,
 }
 
 /// An exclusive `flock` on `<state>/controller.lock`. The controller keeps
 /// the volume metadata in memory and writes it back, so a second controller
 /// on the same state dir (say, a replacement pod while the old one still
 /// runs) would overwrite the first one's records; it refuses to start instead.
-struct OwnerLock {
+pub(crate) struct OwnerLock {
     _file: std::fs::File,
 }
 
@@ -107,6 +110,8 @@ impl Controller {
     pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
         std::fs::create_dir_all(&cfg.state_dir)?;
         let owner = OwnerLock::acquire(&cfg.state_dir)?;
+        // Before anything else: a freeze a dead controller left blocks the volume's writers.
+        quiesce::thaw_leftovers(&cfg.state_dir, true);
         let (state_id, made) = crate::state_id::ensure(&cfg.state_dir, &cfg.boot_id_file)
             .map_err(std::io::Error::other)?;
         if made {
@@ -127,7 +132,7 @@ impl Controller {
             }
         }
         let c = Arc::new(Controller {
-            owner: std::sync::Mutex::new(Some(owner)),
+            owner: std::sync::Mutex::new(Some(Arc::new(owner))),
             cfg,
             store,
             backend: Arc::new(backend),
@@ -135,6 +140,7 @@ impl Controller {
             state_id,
             fence,
             fence_metrics: Default::default(),
+            unfenceable_reported: Default::default(),
         });
         // Before anything is served: generations an older driver fenced with
         // the immutable flag alone may still be written through their holders.
@@ -148,11 +154,28 @@ impl Controller {
         Ok(c)
     }
 
-    /// Lets a successor open the state dir. Called by the server once it has stopped (no
-    /// call in flight, garbage collection ended): its connection tasks may keep this object
-    /// alive a little longer, and a successor must not be refused because of them.
+    /// Lets a successor open the state dir once no call runs any more. Called by the server
+    /// once it has stopped serving: its connection tasks may keep this object alive a little
+    /// longer, and a successor must not be refused because of them. But a call whose client
+    /// gave up is no longer "in flight" for the server while its body still runs and will
+    /// write records: it holds its own reference ([`Controller::hold_ownership`]), so the
+    /// lock is let go only when the last such body returns.
     pub fn release_ownership(&self) {
         self.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
+    /// A reference to the ownership lock for the length of one call; UNAVAILABLE once the
+    /// controller is stopping (a successor may be about to take the state dir).
+    pub(crate) fn hold_ownership(&self) -> CsiResult<Arc<OwnerLock>> {
+        self.owner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                CsiError::Unavailable(
+                    "the controller plugin is stopping: no new call is started".into(),
+                )
+            })
     }
 
     pub(crate) fn fence_available(&self) -> bool {
@@ -187,7 +210,7 @@ impl Controller {
     pub(crate) fn persist(&self, v: &crate::backend::meta::VolumeMeta) -> CsiResult<()> {
         self.store
             .put_volume(v)
-            .map_err(|e| CsiError::internal("writing volume metadata", e))
+            .map_err(|e| record_error("writing volume metadata", e))
     }
 
     fn capabilities(extensions: bool, fence: bool) -> Vec<ControllerServiceCapability> {
@@ -217,9 +240,39 @@ impl Controller {
     }
 }
 
+/// A record write refused because another controller wrote the record since
+/// is ABORTED (and logged: two controllers on one state dir should never be);
+/// any other failure INTERNAL.
+pub(crate) fn record_error(what: &str, e: crate::backend::meta::RecordError) -> CsiError {
+    match e {
+        e @ crate::backend::meta::RecordError::Stale { .. } => {
+            tracing::error!(error = %e, "a record write was refused: another controller plugin writes this state dir");
+            CsiError::Aborted(e.to_string())
+        }
+        e => CsiError::internal(what, e),
+    }
+}
+
 /// The tonic-facing wrapper.
 #[derive(Clone)]
 pub struct ControllerService(pub Arc<Controller>);
+
+impl ControllerService {
+    /// Runs an RPC's body on the blocking pool holding the state dir's
+    /// ownership lock (see [`Controller::hold_ownership`]).
+    async fn call<T: Send + 'static>(
+        &self,
+        rpc: &'static str,
+        f: impl FnOnce(&Controller) -> CsiResult<T> + Send + 'static,
+    ) -> Result<Response<T>, Status> {
+        let c = self.0.clone();
+        blocking(rpc, move || {
+            let _owner = c.hold_ownership()?;
+            f(&c)
+        })
+        .await
+    }
+}
 
 #[tonic::async_trait]
 impl CsiController for ControllerService {
@@ -227,29 +280,30 @@ impl CsiController for ControllerService {
         &self,
         r: Request<CreateVolumeRequest>,
     ) -> Result<Response<CreateVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("CreateVolume", move || c.create_volume(r.into_inner())).await
+        self.call("CreateVolume", move |c| c.create_volume(r.into_inner()))
+            .await
     }
     async fn delete_volume(
         &self,
         r: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("DeleteVolume", move || c.delete_volume(r.into_inner())).await
+        self.call("DeleteVolume", move |c| c.delete_volume(r.into_inner()))
+            .await
     }
     async fn controller_publish_volume(
         &self,
         r: Request<ControllerPublishVolumeRequest>,
     ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ControllerPublishVolume", move || c.publish(r.into_inner())).await
+        self.call("ControllerPublishVolume", move |c| {
+            c.publish(r.into_inner())
+        })
+        .await
     }
     async fn controller_unpublish_volume(
         &self,
         r: Request<ControllerUnpublishVolumeRequest>,
     ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ControllerUnpublishVolume", move || {
+        self.call("ControllerUnpublishVolume", move |c| {
             c.unpublish(r.into_inner())
         })
         .await
@@ -258,8 +312,7 @@ impl CsiController for ControllerService {
         &self,
         r: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ValidateVolumeCapabilities", move || {
+        self.call("ValidateVolumeCapabilities", move |c| {
             c.validate(r.into_inner())
         })
         .await
@@ -268,15 +321,15 @@ impl CsiController for ControllerService {
         &self,
         r: Request<ListVolumesRequest>,
     ) -> Result<Response<ListVolumesResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ListVolumes", move || c.list_volumes(r.into_inner())).await
+        self.call("ListVolumes", move |c| c.list_volumes(r.into_inner()))
+            .await
     }
     async fn get_capacity(
         &self,
         r: Request<GetCapacityRequest>,
     ) -> Result<Response<GetCapacityResponse>, Status> {
-        let c = self.0.clone();
-        blocking("GetCapacity", move || c.get_capacity(r.into_inner())).await
+        self.call("GetCapacity", move |c| c.get_capacity(r.into_inner()))
+            .await
     }
     async fn controller_get_capabilities(
         &self,
@@ -291,43 +344,42 @@ impl CsiController for ControllerService {
         &self,
         r: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
-        let c = self.0.clone();
-        blocking("CreateSnapshot", move || c.create_snapshot(r.into_inner())).await
+        self.call("CreateSnapshot", move |c| c.create_snapshot(r.into_inner()))
+            .await
     }
     async fn delete_snapshot(
         &self,
         r: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
-        let c = self.0.clone();
-        blocking("DeleteSnapshot", move || c.delete_snapshot(r.into_inner())).await
+        self.call("DeleteSnapshot", move |c| c.delete_snapshot(r.into_inner()))
+            .await
     }
     async fn list_snapshots(
         &self,
         r: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ListSnapshots", move || c.list_snapshots(r.into_inner())).await
+        self.call("ListSnapshots", move |c| c.list_snapshots(r.into_inner()))
+            .await
     }
     async fn controller_expand_volume(
         &self,
         r: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ControllerExpandVolume", move || c.expand(r.into_inner())).await
+        self.call("ControllerExpandVolume", move |c| c.expand(r.into_inner()))
+            .await
     }
     async fn controller_get_volume(
         &self,
         r: Request<ControllerGetVolumeRequest>,
     ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ControllerGetVolume", move || c.get_volume(r.into_inner())).await
+        self.call("ControllerGetVolume", move |c| c.get_volume(r.into_inner()))
+            .await
     }
     async fn controller_modify_volume(
         &self,
         r: Request<ControllerModifyVolumeRequest>,
     ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
-        let c = self.0.clone();
-        blocking("ControllerModifyVolume", move || {
+        self.call("ControllerModifyVolume", move |c| {
             c.modify_volume(r.into_inner())
         })
         .await
@@ -339,16 +391,21 @@ mod tests {
     use super::*;
     use crate::config::Mode;
 
+    /// A controller's configuration with everything below `dir`.
+    fn controller_config(dir: &std::path::Path) -> Config {
+        Config::local(
+            Mode::Controller,
+            None,
+            dir.join("state"),
+            dir.join("kubelet"),
+            dir.join("c.sock"),
+        )
+    }
+
     #[test]
     fn one_controller_per_state_dir() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = Config::local(
-            Mode::Controller,
-            None,
-            dir.path().join("state"),
-            dir.path().join("kubelet"),
-            dir.path().join("c.sock"),
-        );
+        let cfg = controller_config(dir.path());
         let first = Controller::open(cfg.clone()).unwrap();
         let err = Controller::open(cfg.clone())
             .err()
@@ -360,5 +417,29 @@ mod tests {
         );
         drop(first);
         Controller::open(cfg).expect("free again once the first one is gone");
+    }
+
+    /// A call whose client gave up still runs, and will write records: the
+    /// state dir stays owned until it returns, even after the server let go.
+    #[test]
+    fn a_running_call_keeps_the_state_dir_owned_after_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = controller_config(dir.path());
+        let first = Controller::open(cfg.clone()).unwrap();
+        let call = first.hold_ownership().expect("a call while serving");
+        first.release_ownership();
+        assert!(
+            matches!(first.hold_ownership(), Err(CsiError::Unavailable(_))),
+            "no new call once stopping"
+        );
+        let err = Controller::open(cfg.clone())
+            .err()
+            .expect("refused while the call runs");
+        assert!(err.to_string().contains("owned by another"), "{err}");
+        drop(call);
+        // Control: the same successor opens once the call returned, with the
+        // first controller object still alive (connection tasks may keep it).
+        let _second = Controller::open(cfg).expect("free once the last call returned");
+        drop(first);
     }
 }

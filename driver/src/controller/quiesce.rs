@@ -2,8 +2,9 @@
 //! volume). A copy must equal the volume at one instant:
 //!
 //! - a filesystem on a writing holder that is mounted where this process can
-//!   see it is frozen (`FIFREEZE`) for the copy: its writers block, its
-//!   dirty data reaches the image first, and the copy is a clean filesystem;
+//!   see it is frozen (`FIFREEZE`) while the copy reads the image: its writers
+//!   block, its dirty data reaches the image first, and the copy is a clean
+//!   filesystem;
 //! - a holder that cannot be frozen (a raw block volume, or a mount in
 //!   another mount namespace) is copied atomically only where the backing
 //!   filesystem makes reflinks (xfs, btrfs: the clone takes the image's
@@ -12,25 +13,85 @@
 //!   device's writers for the length of a copy, so the copy is refused
 //!   rather than made torn.
 //!
+//! # How long writers are blocked
+//!
+//! The filesystems are thawed as soon as the copy has *read* its source
+//! ([`fsops::SourceWindow::close`]), before the copy's own flush and rename:
+//!
+//! - where the state dir makes reflinks (xfs, btrfs) the freeze lasts the
+//!   `FIFREEZE` itself (the kernel syncs the filesystem's dirty data) and one
+//!   reflink: milliseconds, whatever the volume's size;
+//! - on a state dir without reflinks (ext4) a full copy of the data under the
+//!   freeze is the only point-in-time copy there is, so it is kept, but
+//!   bounded: a watchdog thread thaws everything once `--max-freeze` (default
+//!   10 s) has passed since the first `FIFREEZE`, the copy stops at its next
+//!   range (at most 64 MiB later) and the call is refused with
+//!   FAILED_PRECONDITION, leaving nothing. Refusing every such copy would
+//!   break snapshots of small, busy volumes that take well under a second;
+//!   an unbounded freeze hung writers for as long as the copy (or a stuck
+//!   controller) lasted. 10 s is well under the kernel's hung-task warning
+//!   (120 s) and the usual liveness-probe budgets, and copies a few GiB of
+//!   data on a local disk.
+//!
+//! # A freeze never outlives its operation
+//!
+//! A controller that dies (SIGKILL, OOM, a node reboot of its pod) between
+//! `FIFREEZE` and `FITHAW` would leave the filesystem frozen for good: every
+//! writer in D state until someone runs `fsfreeze -u`. So before anything is
+//! frozen, a record is written atomically under `<state>/freezes/<op>.json`
+//! naming the controller (pid, process start time, boot ID) and, written
+//! again before each `FIFREEZE`, the filesystem about to be frozen (the
+//! volume and generation, the loop device, the filesystem's major:minor and
+//! every mount of it by mountinfo ID and path). The
+//! operation holds an exclusive `flock` on `<op>.lock` for as long as it
+//! lives (taken before the record is written, released by the kernel when
+//! the process dies), so "owned by a live operation" is a question the kernel
+//! answers. The record is removed after the thaw; a filesystem that answers
+//! `FIFREEZE` with EBUSY (frozen by someone else) is taken out of the record
+//! at once. [`thaw_leftovers`] thaws what a record names when its lock is
+//! free: at controller start before anything is served, before every
+//! quiesce (so a retried copy first clears a leftover of its predecessor),
+//! and from the garbage-collection pass ([`Controller::thaw_leftover_freezes`]).
+//! It thaws a filesystem only through a mount the record names that is still
+//! there (same mountinfo ID, path and major:minor, and the opened directory's
+//! st_dev), so the superblock is the one that was frozen; `FITHAW` answering
+//! EINVAL means it is not frozen any more (fine). A filesystem someone else
+//! froze is never in a record and never thawed. The one window left: a crash
+//! between a `FIFREEZE` that answered EBUSY and the rewrite of the record
+//! (one atomic write) leaves that filesystem named, and the next pass thaws
+//! the other party's freeze.
+//!
+//! A filesystem already frozen by someone else (EBUSY) may be thawed by
+//! them in the middle of the copy, so it counts as still written: a reflink
+//! is then required, and without reflinks the copy is refused with that
+//! reason (not as "a mount this controller cannot see").
+//!
 //! A group of volumes (`group`) is copied at one instant when every member's
 //! writers are stopped together: all visible filesystems are frozen first,
-//! then every member is copied, then all are thawed. A member that cannot be
-//! frozen keeps writing during the copies, so the copies are one instant only
-//! if that member is copied atomically (a reflink) while all the others are
-//! frozen: the frozen members do not change between their freeze and the
-//! thaw, so each equals its state at the instant of that one reflink. Two
-//! such members would be copied at two different instants, with writes to
+//! then every member is copied, then all are thawed (after the last member's
+//! copy has read its source; the bound covers the whole group). A member that
+//! cannot be frozen keeps writing during the copies, so the copies are one
+//! instant only if that member is copied atomically (a reflink) while all the
+//! others are frozen: the frozen members do not change between their freeze
+//! and the thaw, so each equals its state at the instant of that one reflink.
+//! Two such members would be copied at two different instants, with writes to
 //! either in between; such a group is refused. See [`Controller::quiesce_group`].
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
+use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
-use std::path::PathBuf;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
 
 use super::Controller;
-use crate::backend::meta::PublishLock;
+use crate::backend::meta::{now_nanos, PublishLock};
 use crate::error::{CsiError, CsiResult};
-use crate::fsops::CloneKind;
+use crate::fsops::{self, CloneKind, SourceWindow};
 use crate::ids::VolumeId;
 use crate::mounts;
 
@@ -38,9 +99,465 @@ use crate::mounts;
 const FIFREEZE: libc::c_ulong = 0xC004_5877;
 const FITHAW: libc::c_ulong = 0xC004_5878;
 
-/// Filesystems frozen for a copy; thawed when dropped, error or not.
+/// Where freeze records live, below the state dir: `<op>.json` (the record)
+/// beside `<op>.lock` (held by the live operation).
+pub const FREEZES_DIR: &str = "freezes";
+
+/// The stall point (see [`crate::failpoint::stall`]) a copy reaches when it
+/// starts reading its source, with the volume's filesystems frozen.
+pub const FP_COPYING: &str = "quiesce:copying";
+
+// ---------------------------------------------------------------- records
+
+/// What one operation froze, written before the first `FIFREEZE`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezeRecord {
+    /// What the freeze is for ("point-in-time copy", "group copy").
+    pub operation: String,
+    pub volumes: Vec<String>,
+    pub owner: Owner,
+    /// Wall clock (ns since the epoch) when the freezes began, and by when
+    /// the owner thaws them itself (`--max-freeze` later).
+    pub started_at: i64,
+    pub thaw_by: i64,
+    pub filesystems: Vec<FrozenFs>,
+}
+
+/// The controller process that froze.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub pid: u32,
+    /// Its start time (clock ticks after boot, /proc/<pid>/stat field 22):
+    /// with the pid and the boot ID, one process.
+    pub start_ticks: u64,
+    pub boot_id: String,
+}
+
+impl Owner {
+    fn current() -> Owner {
+        let start_ticks = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| {
+                // Fields after the command name (which may hold spaces): state is field 3.
+                let rest = s.rsplit_once(')')?.1;
+                rest.split_whitespace().nth(22 - 3)?.parse().ok()
+            })
+            .unwrap_or(0);
+        Owner {
+            pid: std::process::id(),
+            start_ticks,
+            boot_id: std::fs::read_to_string(crate::state_id::BOOT_ID_PATH)
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// One filesystem frozen (or about to be).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FrozenFs {
+    pub volume: String,
+    pub generation: u64,
+    /// The loop device the volume is attached through.
+    pub device: PathBuf,
+    /// The filesystem's st_dev (mountinfo's major:minor).
+    pub major: u32,
+    pub minor: u32,
+    /// Every mount of it seen when it was frozen, the one frozen through
+    /// first. While one of them is still mounted, the superblock is the one
+    /// that was frozen.
+    pub mounts: Vec<MountRef>,
+}
+
+/// A mount by its mountinfo ID and mount point.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountRef {
+    pub id: i32,
+    pub path: PathBuf,
+}
+
+/// The files of one live operation's record; the `flock` on the lock file
+/// is what says the operation is alive.
+struct RecordFiles {
+    dir: PathBuf,
+    json: PathBuf,
+    lock_path: PathBuf,
+    _lock: File,
+}
+
+impl RecordFiles {
+    /// A new, locked operation name under `<state>/freezes`.
+    fn create(state_dir: &Path) -> io::Result<RecordFiles> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let dir = state_dir.join(FREEZES_DIR);
+        if !dir.is_dir() {
+            std::fs::create_dir_all(&dir)?;
+            fsops::fsync_parent(&dir)?;
+        }
+        let op = format!(
+            "{}-{}-{}",
+            std::process::id(),
+            now_nanos(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let lock_path = dir.join(format!("{op}.lock"));
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&lock_path)?;
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            let _ = std::fs::remove_file(&lock_path);
+            return Err(e);
+        }
+        Ok(RecordFiles {
+            json: dir.join(format!("{op}.json")),
+            dir,
+            lock_path,
+            _lock: lock,
+        })
+    }
+
+    fn write(&self, rec: &FreezeRecord) -> io::Result<()> {
+        let bytes = serde_json::to_vec_pretty(rec).map_err(io::Error::other)?;
+        fsops::write_atomic(&self.json, &bytes)
+    }
+
+    /// Removes the record, then the lock file (the lock goes with `self`).
+    fn remove(self) -> io::Result<()> {
+        remove_if_there(&self.json)?;
+        fsops::fsync_dir(&self.dir)?;
+        remove_if_there(&self.lock_path)
+    }
+}
+
+fn remove_if_there(p: &Path) -> io::Result<()> {
+    match std::fs::remove_file(p) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn ioctl_on(dir: &File, op: libc::c_ulong) -> io::Result<()> {
+    // SAFETY: ioctl on a directory fd we own; the argument is unused.
+    if unsafe { libc::ioctl(dir.as_raw_fd(), op, 0) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// What [`thaw_recorded`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Thaw {
+    Thawed(PathBuf),
+    /// FITHAW answered EINVAL: not frozen (any more).
+    NotFrozen(PathBuf),
+    /// No mount the record names is left.
+    Gone,
+}
+
+/// Thaws a recorded filesystem through a mount the record names that is
+/// still that mount (see the module docs).
+fn thaw_recorded(fs: &FrozenFs) -> io::Result<Thaw> {
+    let table = mounts::mounts().map_err(io::Error::other)?;
+    let dev = libc::makedev(fs.major, fs.minor);
+    for r in &fs.mounts {
+        let still = table.iter().any(|m| {
+            m.mount_id == r.id
+                && m.mount_point == r.path
+                && (m.major, m.minor) == (fs.major, fs.minor)
+        });
+        if !still {
+            continue;
+        }
+        let Ok(dir) = File::open(&r.path) else {
+            continue;
+        };
+        let md = dir.metadata()?;
+        if !md.is_dir() || md.dev() != dev {
+            continue;
+        }
+        return match ioctl_on(&dir, FITHAW) {
+            Ok(()) => Ok(Thaw::Thawed(r.path.clone())),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Thaw::NotFrozen(r.path.clone())),
+            Err(e) => Err(e),
+        };
+    }
+    Ok(Thaw::Gone)
+}
+
+/// Thaws what every freeze record in `state_dir` names whose operation is
+/// gone (its lock is free), and removes those records; returns how many
+/// filesystems it thawed. `at_start`: nothing of this controller runs yet, so
+/// temp files of record writes are removed too. Logs what it does.
+pub fn thaw_leftovers(state_dir: &Path, at_start: bool) -> usize {
+    let dir = state_dir.join(FREEZES_DIR);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return 0;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .collect();
+    let mut thawed = 0;
+    for name in &names {
+        if name.starts_with('.') && name.contains(".tmp-") {
+            if at_start {
+                // A record never renamed into place: nothing was frozen after it.
+                let _ = std::fs::remove_file(dir.join(name));
+            }
+            continue;
+        }
+        if let Some(op) = name.strip_suffix(".json") {
+            match settle(&dir, op) {
+                Ok(n) => thawed += n,
+                Err(e) => {
+                    tracing::error!(record = %dir.join(name).display(), error = %e, "cannot settle a freeze record; the next pass tries again")
+                }
+            }
+        }
+    }
+    // Lock files whose record is gone (a crash before the record was written,
+    // or after it was removed) and that nobody holds.
+    for op in names.iter().filter_map(|n| n.strip_suffix(".lock")) {
+        if dir.join(format!("{op}.json")).exists() {
+            continue;
+        }
+        if let Ok(Some(_free)) = try_lock(&dir.join(format!("{op}.lock"))) {
+            let _ = std::fs::remove_file(dir.join(format!("{op}.lock")));
+        }
+    }
+    thawed
+}
+
+/// The lock file at `path`, locked: Ok(None) when it is held (a live
+/// operation), Ok(Some(None)) when it does not exist.
+fn try_lock(path: &Path) -> io::Result<Option<Option<File>>> {
+    match OpenOptions::new().read(true).write(true).open(path) {
+        Ok(f) => {
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                Ok(Some(Some(f)))
+            } else {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Some(None)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Thaws and removes the record `op` in `dir` when no live operation holds
+/// it; returns how many filesystems it thawed.
+fn settle(dir: &Path, op: &str) -> io::Result<usize> {
+    let json = dir.join(format!("{op}.json"));
+    let lock_path = dir.join(format!("{op}.lock"));
+    let Some(_held) = try_lock(&lock_path)? else {
+        return Ok(0); // a live operation: it thaws by itself, within its bound
+    };
+    // Read only now, under the lock: the owner may have removed it meanwhile.
+    let bytes = match std::fs::read(&json) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            remove_if_there(&lock_path)?;
+            return Ok(0);
+        }
+        Err(e) => return Err(e),
+    };
+    let mut rec: FreezeRecord = match serde_json::from_slice(&bytes) {
+        Ok(r) => r,
+        Err(e) => {
+            let aside = dir.join(format!("{op}.json.unreadable"));
+            std::fs::rename(&json, &aside)?;
+            remove_if_there(&lock_path)?;
+            tracing::error!(record = %aside.display(), error = %e, "unreadable freeze record moved aside: what it froze is unknown, so nothing was thawed; if a volume's writers hang, thaw its filesystem by hand (fsfreeze -u <mount>)");
+            return Ok(0);
+        }
+    };
+    tracing::warn!(
+        record = %json.display(),
+        operation = %rec.operation,
+        volumes = ?rec.volumes,
+        owner_pid = rec.owner.pid,
+        owner_boot_id = %rec.owner.boot_id,
+        "a freeze whose operation is gone (its controller died, or could not thaw): thawing what it froze"
+    );
+    let mut thawed = 0;
+    let mut left = Vec::new();
+    for fs in std::mem::take(&mut rec.filesystems) {
+        match thaw_recorded(&fs) {
+            Ok(Thaw::Thawed(at)) => {
+                thawed += 1;
+                tracing::warn!(volume = %fs.volume, generation = fs.generation, mount = %at.display(), "filesystem thawed: it was left frozen by a copy whose controller did not live to thaw it");
+            }
+            Ok(Thaw::NotFrozen(at)) => {
+                tracing::info!(volume = %fs.volume, mount = %at.display(), "filesystem of a freeze record is not frozen (any more)");
+            }
+            Ok(Thaw::Gone) => {
+                tracing::info!(volume = %fs.volume, device = %fs.device.display(), "no mount a freeze record names is left: nothing to thaw");
+            }
+            Err(e) => {
+                tracing::error!(volume = %fs.volume, device = %fs.device.display(), error = %e, "cannot thaw a filesystem a freeze record names; the next pass tries again");
+                left.push(fs);
+            }
+        }
+    }
+    if left.is_empty() {
+        remove_if_there(&json)?;
+        fsops::fsync_dir(dir)?;
+        remove_if_there(&lock_path)?;
+    } else {
+        rec.filesystems = left;
+        let bytes = serde_json::to_vec_pretty(&rec).map_err(io::Error::other)?;
+        fsops::write_atomic(&json, &bytes)?;
+    }
+    Ok(thawed)
+}
+
+// ---------------------------------------------------------------- the live freeze
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Nothing frozen (nothing to freeze, or all writers unstoppable).
+    Idle,
+    Frozen,
+    /// Thawed by the operation (the copy read its source, or it ended).
+    Thawed,
+    /// Thawed by the watchdog: the bound passed before the copy read its source.
+    Expired,
+}
+
+struct Hold {
+    /// (the mount's directory, its path, what the record says of it)
+    frozen: Vec<(File, PathBuf, FrozenFs)>,
+    files: Option<RecordFiles>,
+    record: Option<FreezeRecord>,
+    phase: Phase,
+    since: Option<Instant>,
+}
+
+impl Hold {
+    /// Rewrites the record (a filesystem left it before being frozen).
+    fn rewrite(&self) -> io::Result<()> {
+        match (&self.files, &self.record) {
+            (Some(f), Some(r)) => f.write(r),
+            _ => Ok(()),
+        }
+    }
+
+    /// Thaws every filesystem frozen, then removes the record (kept, naming
+    /// what could not be thawed, for the next pass when a thaw fails).
+    fn thaw_all(&mut self, why: &str) {
+        let mut failed = Vec::new();
+        let n = self.frozen.len();
+        for (dir, path, fs) in self.frozen.drain(..) {
+            match ioctl_on(&dir, FITHAW) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::warn!(mount = %path.display(), "a filesystem frozen for a copy was thawed by someone else before the copy ended")
+                }
+                Err(e) => {
+                    tracing::error!(mount = %path.display(), error = %e, "could not thaw a filesystem frozen for a copy; the recovery pass tries again");
+                    failed.push(fs);
+                }
+            }
+        }
+        if n > 0 {
+            let ms = self
+                .since
+                .map(|t| t.elapsed().as_secs_f64() * 1e3)
+                .unwrap_or(0.0);
+            tracing::info!(
+                filesystems = n,
+                frozen_ms = ms,
+                reason = why,
+                "filesystems thawed"
+            );
+        }
+        let Some(files) = self.files.take() else {
+            return;
+        };
+        let result = if failed.is_empty() {
+            files.remove()
+        } else {
+            let mut rec = self.record.clone().expect("a record with its files");
+            rec.filesystems = failed;
+            files.write(&rec) // the lock goes with `files`: the next pass retries
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "cannot update a freeze record after the thaw; the next recovery pass settles it");
+        }
+    }
+}
+
+struct Shared {
+    hold: Mutex<Hold>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Hold> {
+        self.hold.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Why a writing holder keeps writing during the copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Why {
+    /// A raw block volume, or a mount this process cannot see.
+    Unfreezable,
+    /// FIFREEZE answered EBUSY: frozen already, by someone else.
+    AlreadyFrozen(PathBuf),
+    /// FIFREEZE is not supported by the filesystem.
+    CannotFreeze(PathBuf),
+}
+
+/// Writing holders that keep writing, by index of their member.
+type RunningBy = Vec<(usize, Running)>;
+
+/// A writing holder whose writers could not be stopped.
+#[derive(Debug, Clone)]
+pub(crate) struct Running {
+    device: PathBuf,
+    why: Why,
+}
+
+impl Running {
+    fn describe(&self) -> String {
+        let dev = self.device.display();
+        match &self.why {
+            Why::Unfreezable => {
+                format!("{dev} (a raw block volume, or a mount this controller cannot see)")
+            }
+            Why::AlreadyFrozen(m) => format!(
+                "{dev} (its filesystem at {} is already frozen: FIFREEZE answered EBUSY; this controller did not freeze it, so it neither thaws it nor counts on it staying frozen)",
+                m.display()
+            ),
+            Why::CannotFreeze(m) => format!(
+                "{dev} (its filesystem at {} cannot be frozen)",
+                m.display()
+            ),
+        }
+    }
+}
+
+/// Filesystems frozen for a copy (see the module docs); thawed when the copy
+/// has read its source ([`Quiesced::window`]), when the bound passes, or when
+/// dropped, error or not.
 pub(crate) struct Quiesced {
-    frozen: Vec<(File, PathBuf)>,
+    shared: Arc<Shared>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
+    bound: Duration,
+    state_dir: PathBuf,
     /// Set when a writer of the volume could not be stopped: the copy is one
     /// instant only if it is a reflink (the caller checks what it made).
     pub(crate) reflink_required: bool,
@@ -52,23 +569,147 @@ pub(crate) struct Quiesced {
 
 impl Drop for Quiesced {
     fn drop(&mut self) {
-        for (dir, path) in self.frozen.drain(..) {
-            // SAFETY: ioctl on a directory fd we own; the argument is unused.
-            if unsafe { libc::ioctl(dir.as_raw_fd(), FITHAW, 0) } != 0 {
-                let e = std::io::Error::last_os_error();
-                tracing::error!(mount = %path.display(), error = %e, "could not thaw a filesystem frozen for a snapshot");
-            } else {
-                tracing::debug!(mount = %path.display(), "filesystem thawed after the copy");
+        {
+            let mut h = self.shared.lock();
+            if h.phase == Phase::Frozen {
+                h.thaw_all("the copy ended");
+                h.phase = Phase::Thawed;
+            } else if let Some(files) = h.files.take() {
+                // An error before anything was frozen: the record names nothing of ours.
+                if let Err(e) = files.remove() {
+                    tracing::warn!(error = %e, "cannot remove a freeze record; the next recovery pass settles it");
+                }
             }
+            self.shared.cv.notify_all();
+        }
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The window of one copy made while a [`Quiesced`] lives.
+pub(crate) struct Window<'a> {
+    q: &'a Quiesced,
+    /// The last copy of the operation: its `close` thaws.
+    last: bool,
+}
+
+impl SourceWindow for Window<'_> {
+    fn open(&self) -> bool {
+        crate::failpoint::stall(FP_COPYING);
+        !self.q.expired()
+    }
+
+    fn close(&self) -> bool {
+        let mut h = self.q.shared.lock();
+        match h.phase {
+            Phase::Expired => false,
+            Phase::Frozen if self.last => {
+                h.thaw_all("the copy has read its source");
+                h.phase = Phase::Thawed;
+                self.q.shared.cv.notify_all();
+                true
+            }
+            _ => true,
         }
     }
 }
 
 impl Quiesced {
+    fn new(cfg: &crate::config::Config, stages: Vec<PublishLock>) -> Quiesced {
+        Quiesced {
+            shared: Arc::new(Shared {
+                hold: Mutex::new(Hold {
+                    frozen: Vec::new(),
+                    files: None,
+                    record: None,
+                    phase: Phase::Idle,
+                    since: None,
+                }),
+                cv: Condvar::new(),
+            }),
+            watchdog: None,
+            bound: cfg.max_freeze,
+            state_dir: cfg.state_dir.clone(),
+            reflink_required: false,
+            _stages_held: stages,
+        }
+    }
+
+    /// The window to hand the copy (`last`: the operation's last copy, after
+    /// which the writers may go on).
+    pub(crate) fn window(&self, last: bool) -> Window<'_> {
+        Window { q: self, last }
+    }
+
+    /// Whether the bound passed before the copy had read its source.
+    pub(crate) fn expired(&self) -> bool {
+        self.shared.lock().phase == Phase::Expired
+    }
+
+    /// Thaws everything when the bound passes while still frozen.
+    fn start_watchdog(&mut self) {
+        let shared = self.shared.clone();
+        let bound = self.bound;
+        let spawned = std::thread::Builder::new()
+            .name("freeze-bound".into())
+            .spawn(move || {
+                let mut h = shared.lock();
+                let deadline = h.since.unwrap_or_else(Instant::now) + bound;
+                while h.phase == Phase::Frozen {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        tracing::warn!(bound_s = bound.as_secs_f64(), "the copy did not read its source within --max-freeze: its writers are let go and the copy will be refused");
+                        h.thaw_all("the freeze bound passed");
+                        h.phase = Phase::Expired;
+                        break;
+                    }
+                    h = shared
+                        .cv
+                        .wait_timeout(h, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            });
+        match spawned {
+            Ok(w) => self.watchdog = Some(w),
+            // Without a watchdog the freeze still ends with the copy (and the
+            // record stays for a crash): the bound is not kept, so say so.
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the freeze-bound watchdog; this freeze lasts as long as the copy")
+            }
+        }
+    }
+
+    /// The refusal of a copy whose writers were let go before it had read its source.
+    pub(crate) fn expiry_refusal(&self, id: &VolumeId) -> CsiError {
+        CsiError::FailedPrecondition(format!(
+            "volume {id}: the copy had not read the volume within --max-freeze ({:?}), the longest its writers are kept frozen; they were let go, and the copy is discarded since it would not be point-in-time. On this state dir's filesystem ({}) a copy of a volume in use is a full copy under the freeze: copy it when it is not in use, raise --max-freeze, or keep the state dir on xfs or btrfs, where the freeze lasts one reflink",
+            self.bound,
+            crate::fence::fs_name(&self.state_dir)
+        ))
+    }
+
+    /// `e`, the failure of a copy made while this lived, or the expiry
+    /// refusal when the copy failed because the bound passed.
+    pub(crate) fn explain(&self, id: &VolumeId, e: CsiError) -> CsiError {
+        if self.expired() {
+            self.expiry_refusal(id)
+        } else {
+            e
+        }
+    }
+
     /// Refuses a copy made while this lived that is not one instant: a plain
     /// copy (say, the reflink failed and the backend fell back) of a volume
-    /// whose writers kept going. The caller removes what it made.
+    /// whose writers kept going, or any copy whose writers were let go (the
+    /// bound passed) before it had read its source. The caller removes what
+    /// it made.
     pub(crate) fn refuse_torn(&self, id: &VolumeId, made: CloneKind) -> CsiResult<()> {
+        if self.expired() {
+            return Err(self.expiry_refusal(id));
+        }
         if self.reflink_required && made != CloneKind::Reflink {
             return Err(CsiError::FailedPrecondition(format!(
                 "volume {id} is in use by writers that cannot be stopped, and the copy could not be made as a reflink: it would not be point-in-time"
@@ -78,19 +719,33 @@ impl Quiesced {
     }
 }
 
+/// A filesystem to freeze: which member, through which mount.
+struct Planned {
+    member: usize,
+    mount: PathBuf,
+    fs: FrozenFs,
+}
+
 impl Controller {
-    /// Stops every writer of generation `gen` for as long as the result
-    /// lives (see the module docs), or refuses with FAILED_PRECONDITION.
+    /// Thaws the freezes of operations that are gone (see the module docs):
+    /// for the garbage-collection pass. Returns how many it thawed.
+    pub fn thaw_leftover_freezes(&self) -> usize {
+        thaw_leftovers(&self.cfg.state_dir, false)
+    }
+
+    /// Stops every writer of generation `gen` until the copy made with
+    /// [`Quiesced::window`] has read it, at most `--max-freeze` (see the
+    /// module docs), or refuses with FAILED_PRECONDITION.
     pub(crate) fn quiesce(&self, id: &VolumeId, gen: u64, data_bytes: u64) -> CsiResult<Quiesced> {
-        let mut q = Quiesced {
-            frozen: Vec::new(),
-            reflink_required: false,
-            _stages_held: self.hold_stages([id])?,
-        };
-        let running = self.freeze_writers(id, gen, data_bytes, &mut q)?;
-        if let Some(dev) = running.first() {
+        let mut q = Quiesced::new(&self.cfg, self.hold_stages([id])?);
+        let running = self.stop_writers(
+            "point-in-time copy",
+            &[(id.clone(), gen, data_bytes)],
+            &mut q,
+        )?;
+        if let Some((_, r)) = running.first() {
             if !self.backend.reflinks() {
-                return Err(self.no_reflink_refusal(id, dev));
+                return Err(self.no_reflink_refusal(id, r));
             }
             q.reflink_required = true;
         }
@@ -118,120 +773,232 @@ impl Controller {
             .collect()
     }
 
-    /// Stops the writers of every member of a group at once, for as long as
-    /// the result lives: returns the frozen filesystems, and the index in
-    /// `members` (volume, generation, data bytes) of the one member whose
-    /// writers could not be stopped, if there is one. That member must be
-    /// copied by one reflink while the result lives; the copies are then the
-    /// members' state at the instant of that reflink. Refuses (FAILED_PRECONDITION,
-    /// everything thawed) when more than one member keeps writers, or one does
-    /// and the state dir makes no reflinks.
+    /// Stops the writers of every member of a group at once, until the last
+    /// member's copy has read its source (at most `--max-freeze`): returns
+    /// the frozen filesystems, and the index in `members` (volume, generation,
+    /// data bytes) of the one member whose writers could not be stopped, if
+    /// there is one. That member must be copied by one reflink while the
+    /// result lives; the copies are then the members' state at the instant of
+    /// that reflink. Refuses (FAILED_PRECONDITION, everything thawed) when
+    /// more than one member keeps writers, or one does and the state dir makes
+    /// no reflinks.
     pub(crate) fn quiesce_group(
         &self,
         members: &[(VolumeId, u64, u64)],
     ) -> CsiResult<(Quiesced, Option<usize>)> {
-        let mut q = Quiesced {
-            frozen: Vec::new(),
-            reflink_required: false,
-            _stages_held: self.hold_stages(members.iter().map(|(id, _, _)| id))?,
-        };
-        let mut running: Vec<(usize, PathBuf)> = Vec::new();
-        for (i, (id, gen, bytes)) in members.iter().enumerate() {
-            if let Some(dev) = self
-                .freeze_writers(id, *gen, *bytes, &mut q)?
-                .into_iter()
-                .next()
-            {
-                running.push((i, dev));
-            }
-        }
+        let mut q = Quiesced::new(
+            &self.cfg,
+            self.hold_stages(members.iter().map(|(id, _, _)| id))?,
+        );
+        let mut running = self.stop_writers("group copy", members, &mut q)?;
+        // One entry per member: the first holder that keeps writing.
+        running.dedup_by_key(|(i, _)| *i);
         match running.as_slice() {
             [] => Ok((q, None)),
-            [(i, dev)] if self.backend.reflinks() => {
-                tracing::info!(volume = %members[*i].0, device = %dev.display(), "group member cannot be frozen: it is copied by a reflink while every other member is frozen");
+            [(i, r)] if self.backend.reflinks() => {
+                tracing::info!(volume = %members[*i].0, device = %r.device.display(), "group member cannot be frozen: it is copied by a reflink while every other member is frozen");
                 q.reflink_required = true;
                 Ok((q, Some(*i)))
             }
-            [(i, dev)] => Err(self.no_reflink_refusal(&members[*i].0, dev)),
+            [(i, r)] => Err(self.no_reflink_refusal(&members[*i].0, r)),
             many => Err(CsiError::FailedPrecondition(format!(
-                "volumes {} are in use through {} (raw block volumes, or mounts this controller cannot see): their writers cannot be stopped, and copies of two volumes that keep writing are not taken at one instant, so the group snapshot would not be point-in-time. Snapshot the group when at most one of them is in use that way",
+                "volumes {} are in use through {}: their writers cannot be stopped, and copies of two volumes that keep writing are not taken at one instant, so the group snapshot would not be point-in-time. Snapshot the group when at most one of them is in use that way",
                 many.iter()
                     .map(|(i, _)| members[*i].0.to_string())
                     .collect::<Vec<_>>()
                     .join(", "),
                 many.iter()
-                    .map(|(_, d)| d.display().to_string())
+                    .map(|(_, r)| r.describe())
                     .collect::<Vec<_>>()
                     .join(", "),
             ))),
         }
     }
 
-    fn no_reflink_refusal(&self, id: &VolumeId, dev: &std::path::Path) -> CsiError {
-        CsiError::FailedPrecondition(format!(
-            "volume {id} is in use through {} (a raw block volume, or a mount this controller cannot see) and the state dir's filesystem ({}) makes no reflinks: a copy now would not be point-in-time. Copy it (snapshot or clone) when it is not in use, or keep the state dir on xfs or btrfs",
-            dev.display(),
-            crate::fence::fs_name(&self.cfg.state_dir)
-        ))
+    fn no_reflink_refusal(&self, id: &VolumeId, r: &Running) -> CsiError {
+        let fs = crate::fence::fs_name(&self.cfg.state_dir);
+        CsiError::FailedPrecondition(match &r.why {
+            Why::AlreadyFrozen(m) => format!(
+                "volume {id} is in use through {}, whose filesystem (mounted at {}) is already frozen: FIFREEZE answered EBUSY. This controller did not freeze it (it keeps a record of every freeze it makes, and thaws its own), so whoever did may thaw it during the copy, and the state dir's filesystem ({fs}) makes no reflinks: a copy now would not be point-in-time. Retry once it is thawed (fsfreeze -u {}), or keep the state dir on xfs or btrfs",
+                r.device.display(),
+                m.display(),
+                m.display()
+            ),
+            _ => format!(
+                "volume {id} is in use through {} and the state dir's filesystem ({fs}) makes no reflinks: a copy now would not be point-in-time. Copy it (snapshot or clone) when it is not in use, or keep the state dir on xfs or btrfs",
+                r.describe()
+            ),
+        })
     }
 
-    /// Freezes the filesystem of every writing holder of `gen` that this
-    /// process can see (adding it to `q`); returns the writing holders that
-    /// could not be frozen.
-    fn freeze_writers(
+    /// Freezes the filesystem of every writing holder of the members that
+    /// this process can see (into `q`, under a record written first, with
+    /// the watchdog started); returns the writing holders that keep writing,
+    /// by member index, in member order.
+    fn stop_writers(
         &self,
-        id: &VolumeId,
-        gen: u64,
-        data_bytes: u64,
+        operation: &str,
+        members: &[(VolumeId, u64, u64)],
         q: &mut Quiesced,
-    ) -> CsiResult<Vec<PathBuf>> {
-        let mut running = Vec::new();
-        let holders = self.backend.holders(id, gen)?;
-        for lo in holders.iter().filter(|l| !l.read_only) {
-            if crate::fence::is_fenced_device(lo, data_bytes) {
-                continue; // fenced: can no longer write the data
+    ) -> CsiResult<RunningBy> {
+        // A predecessor's leftover (a crash mid-copy) would answer EBUSY.
+        thaw_leftovers(&self.cfg.state_dir, false);
+        let (plan, mut running) = self.plan_freezes(members)?;
+        if plan.is_empty() {
+            return Ok(running);
+        }
+        let files = RecordFiles::create(&self.cfg.state_dir)
+            .map_err(|e| CsiError::internal("making a freeze record", e))?;
+        let started_at = now_nanos();
+        {
+            let mut h = q.shared.lock();
+            h.files = Some(files);
+            h.record = Some(FreezeRecord {
+                operation: operation.into(),
+                volumes: members.iter().map(|(id, _, _)| id.to_string()).collect(),
+                owner: Owner::current(),
+                started_at,
+                thaw_by: started_at.saturating_add(q.bound.as_nanos() as i64),
+                filesystems: Vec::new(),
+            });
+            h.since = Some(Instant::now());
+        }
+        for p in plan {
+            let (id, gen) = (&members[p.member].0, members[p.member].1);
+            let dir = File::open(&p.mount)
+                .map_err(|e| CsiError::internal("opening a mount to freeze it", e))?;
+            // The record names each filesystem before it is frozen, and only
+            // those this operation froze or is freezing now.
+            {
+                let mut h = q.shared.lock();
+                if let Some(r) = h.record.as_mut() {
+                    r.filesystems.push(p.fs.clone());
+                }
+                h.rewrite().map_err(|e| {
+                    CsiError::internal("writing a freeze record (its filesystem was not frozen)", e)
+                })?;
             }
-            let rdev = std::fs::metadata(&lo.device)
-                .map_err(|e| CsiError::internal("inspecting a holder", e))?
-                .rdev();
-            let (major, minor) = (libc::major(rdev), libc::minor(rdev));
-            let mounted = mounts::mounts_of_device(major, minor)
-                .map_err(|e| CsiError::internal("reading the mount table", e))?;
-            // A filesystem on the device, mounted as a directory (a raw block
-            // volume's bind-mounted device node is a file and cannot be frozen).
-            let mut frozen = false;
-            if let Some(m) = mounted.iter().find(|m| m.mount_point.is_dir()) {
-                let dir = File::open(&m.mount_point)
-                    .map_err(|e| CsiError::internal("opening a mount to freeze it", e))?;
-                // SAFETY: ioctl on a directory fd we own; the argument is unused.
-                if unsafe { libc::ioctl(dir.as_raw_fd(), FIFREEZE, 0) } == 0 {
-                    tracing::info!(volume = %id, generation = gen, mount = %m.mount_point.display(), "filesystem frozen for a point-in-time copy");
-                    q.frozen.push((dir, m.mount_point.clone()));
-                    frozen = true;
-                } else {
-                    let e = std::io::Error::last_os_error();
-                    match e.raw_os_error() {
-                        // Frozen by someone else already: they may thaw it in the
-                        // middle of our copy, so it counts as still written (a reflink
-                        // is then required, or the copy is refused).
-                        Some(libc::EBUSY | libc::EOPNOTSUPP | libc::ENOTTY) => {}
-                        _ => {
-                            return Err(CsiError::internal(
-                                &format!(
-                                    "freezing {} for a point-in-time copy",
-                                    m.mount_point.display()
-                                ),
-                                e,
-                            ))
-                        }
+            let answer = ioctl_on(&dir, FIFREEZE);
+            let mut h = q.shared.lock();
+            let why = match answer {
+                Ok(()) => {
+                    tracing::info!(volume = %id, generation = gen, mount = %p.mount.display(), "filesystem frozen for a point-in-time copy");
+                    h.frozen.push((dir, p.mount, p.fs));
+                    h.phase = Phase::Frozen;
+                    continue;
+                }
+                // Frozen by someone else already: they may thaw it in the
+                // middle of our copy, so it counts as still written (a reflink
+                // is then required, or the copy is refused). Not ours: out of
+                // the record at once, so no recovery pass thaws it.
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                    tracing::warn!(volume = %id, mount = %p.mount.display(), "filesystem already frozen by someone else (FIFREEZE answered EBUSY): left as it is");
+                    Why::AlreadyFrozen(p.mount.clone())
+                }
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOTTY)) => {
+                    Why::CannotFreeze(p.mount.clone())
+                }
+                Err(e) => {
+                    return Err(CsiError::internal(
+                        &format!("freezing {} for a point-in-time copy", p.mount.display()),
+                        e,
+                    ))
+                }
+            };
+            if let Some(r) = h.record.as_mut() {
+                r.filesystems.retain(|f| f != &p.fs);
+            }
+            h.rewrite()
+                .map_err(|e| CsiError::internal("rewriting a freeze record", e))?;
+            running.push((
+                p.member,
+                Running {
+                    device: p.fs.device.clone(),
+                    why,
+                },
+            ));
+        }
+        let frozen = {
+            let mut h = q.shared.lock();
+            if h.frozen.is_empty() {
+                if let Some(files) = h.files.take() {
+                    if let Err(e) = files.remove() {
+                        tracing::warn!(error = %e, "cannot remove an empty freeze record; the next pass does");
                     }
                 }
+                false
+            } else {
+                true
             }
-            if !frozen {
-                running.push(lo.device.clone());
+        };
+        if frozen {
+            q.start_watchdog();
+        }
+        running.sort_by_key(|(i, _)| *i);
+        Ok(running)
+    }
+
+    /// What to freeze of each member's writing holders, and the holders that
+    /// cannot be frozen at all.
+    fn plan_freezes(
+        &self,
+        members: &[(VolumeId, u64, u64)],
+    ) -> CsiResult<(Vec<Planned>, RunningBy)> {
+        let mut plan: Vec<Planned> = Vec::new();
+        let mut running = Vec::new();
+        for (i, (id, gen, data_bytes)) in members.iter().enumerate() {
+            let holders = self.backend.holders(id, *gen)?;
+            for lo in holders.iter().filter(|l| !l.read_only) {
+                if crate::fence::is_fenced_device(lo, *data_bytes) {
+                    continue; // fenced: can no longer write the data
+                }
+                let rdev = std::fs::metadata(&lo.device)
+                    .map_err(|e| CsiError::internal("inspecting a holder", e))?
+                    .rdev();
+                let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+                let mounted = mounts::mounts_of_device(major, minor)
+                    .map_err(|e| CsiError::internal("reading the mount table", e))?;
+                // A filesystem on the device, mounted as a directory (a raw block
+                // volume's bind-mounted device node is a file and cannot be frozen).
+                let dirs: Vec<_> = mounted.iter().filter(|m| m.mount_point.is_dir()).collect();
+                let Some(first) = dirs.first() else {
+                    running.push((
+                        i,
+                        Running {
+                            device: lo.device.clone(),
+                            why: Why::Unfreezable,
+                        },
+                    ));
+                    continue;
+                };
+                if plan
+                    .iter()
+                    .any(|p| (p.fs.major, p.fs.minor) == (first.major, first.minor))
+                {
+                    continue;
+                }
+                plan.push(Planned {
+                    member: i,
+                    mount: first.mount_point.clone(),
+                    fs: FrozenFs {
+                        volume: id.to_string(),
+                        generation: *gen,
+                        device: lo.device.clone(),
+                        major: first.major,
+                        minor: first.minor,
+                        mounts: dirs
+                            .iter()
+                            .filter(|m| (m.major, m.minor) == (first.major, first.minor))
+                            .map(|m| MountRef {
+                                id: m.mount_id,
+                                path: m.mount_point.clone(),
+                            })
+                            .collect(),
+                    },
+                });
             }
         }
-        Ok(running)
+        Ok((plan, running))
     }
 }
 
@@ -240,11 +1007,17 @@ mod tests {
     use super::*;
 
     fn quiesced(reflink_required: bool) -> Quiesced {
-        Quiesced {
-            frozen: Vec::new(),
-            reflink_required,
-            _stages_held: Vec::new(),
-        }
+        let dir = std::env::temp_dir();
+        let cfg = crate::config::Config::local(
+            crate::config::Mode::Controller,
+            None,
+            dir.clone(),
+            dir.clone(),
+            dir.join("unused.sock"),
+        );
+        let mut q = Quiesced::new(&cfg, Vec::new());
+        q.reflink_required = reflink_required;
+        q
     }
 
     /// Snapshots and clones share this check: a plain copy of a volume whose
@@ -261,5 +1034,93 @@ mod tests {
         assert!(quiesced(false)
             .refuse_torn(&id, CloneKind::SparseCopy)
             .is_ok());
+    }
+
+    /// A copy whose writers the watchdog let go is refused whatever it made,
+    /// and a window that closed makes the copy itself fail.
+    #[test]
+    fn a_copy_after_the_bound_is_refused() {
+        let id = VolumeId::generate();
+        let q = quiesced(false);
+        q.shared.lock().phase = Phase::Expired;
+        assert!(!q.window(true).open());
+        assert!(!q.window(true).close());
+        for made in [CloneKind::Reflink, CloneKind::SparseCopy] {
+            let e = q.refuse_torn(&id, made).unwrap_err();
+            assert!(
+                matches!(&e, CsiError::FailedPrecondition(m) if m.contains("--max-freeze")),
+                "{e:?}"
+            );
+        }
+        let e = q.explain(&id, CsiError::Internal("copy failed".into()));
+        assert!(matches!(e, CsiError::FailedPrecondition(_)), "{e:?}");
+        // Not expired: the copy's own error stands.
+        let e = quiesced(false).explain(&id, CsiError::Internal("copy failed".into()));
+        assert!(matches!(e, CsiError::Internal(_)), "{e:?}");
+    }
+
+    fn record(fs: Vec<FrozenFs>) -> FreezeRecord {
+        FreezeRecord {
+            operation: "point-in-time copy".into(),
+            volumes: vec!["v".into()],
+            owner: Owner::current(),
+            started_at: 1,
+            thaw_by: 2,
+            filesystems: fs,
+        }
+    }
+
+    /// A record is settled only once its operation's lock is free; a record
+    /// naming mounts that no longer exist is removed without thawing anything,
+    /// and so are stray lock files and (at start) temp files.
+    #[test]
+    fn records_of_live_operations_are_left_alone() {
+        let state = tempfile::tempdir().unwrap();
+        let files = RecordFiles::create(state.path()).unwrap();
+        let gone = FrozenFs {
+            volume: "v".into(),
+            generation: 1,
+            device: "/dev/loop-none".into(),
+            major: 7,
+            minor: 4095,
+            mounts: vec![MountRef {
+                id: i32::MAX,
+                path: state.path().join("no-such-mount"),
+            }],
+        };
+        files.write(&record(vec![gone])).unwrap();
+        let json = files.json.clone();
+        let lock = files.lock_path.clone();
+        assert_eq!(thaw_leftovers(state.path(), false), 0);
+        assert!(json.exists(), "a live operation's record was settled");
+        // The operation dies: its lock goes with it.
+        drop(files);
+        assert_eq!(thaw_leftovers(state.path(), false), 0);
+        assert!(!json.exists() && !lock.exists(), "a dead record stays");
+
+        let dir = state.path().join(FREEZES_DIR);
+        std::fs::write(dir.join("1-2-3.lock"), b"").unwrap();
+        std::fs::write(dir.join(".4-5-6.json.tmp-7"), b"{").unwrap();
+        thaw_leftovers(state.path(), false);
+        assert!(!dir.join("1-2-3.lock").exists(), "a free stray lock stays");
+        assert!(
+            dir.join(".4-5-6.json.tmp-7").exists(),
+            "a temp file removed while operations may run"
+        );
+        thaw_leftovers(state.path(), true);
+        assert!(!dir.join(".4-5-6.json.tmp-7").exists());
+
+        // Unreadable: moved aside, nothing guessed.
+        std::fs::write(dir.join("8-9-10.json"), b"not json").unwrap();
+        thaw_leftovers(state.path(), false);
+        assert!(dir.join("8-9-10.json.unreadable").exists());
+        assert!(!dir.join("8-9-10.json").exists());
+    }
+
+    #[test]
+    fn the_owner_is_this_process() {
+        let o = Owner::current();
+        assert_eq!(o.pid, std::process::id());
+        assert!(o.start_ticks > 0, "{o:?}");
     }
 }

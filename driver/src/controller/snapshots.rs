@@ -90,10 +90,22 @@ impl Controller {
         let _reserve = self.store.capacity_guard();
         self.ensure_capacity(bytes, &format!("a snapshot of volume {vid}"))?;
         let (origin, size) = {
-            // Writers stop (or the copy is a reflink) for the copy only.
+            // Writers stop (or the copy is a reflink) until the copy has
+            // read the volume, at most --max-freeze (see quiesce).
             let quiet = self.quiesce(&vid, gen, bytes)?;
             crate::failpoint::pause("snapshot:before-copy", vid.as_str());
-            let made = self.backend.snapshot(&vid, gen, bytes, &sid)?;
+            let made = match self
+                .backend
+                .snapshot(&vid, gen, bytes, &sid, &quiet.window(true))
+            {
+                Ok(made) => made,
+                Err(e) => {
+                    let e = quiet.explain(&vid, e.into());
+                    drop(quiet);
+                    let _ = self.backend.delete_snapshot(&sid);
+                    return Err(e);
+                }
+            };
             if let Err(e) = quiet.refuse_torn(&vid, made.0) {
                 let _ = self.backend.delete_snapshot(&sid);
                 return Err(e);

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use fencecsi_proto::v1::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use fencecsi_proto::v1::*;
 
-use super::{Controller, TOPOLOGY_KEY, VOL_CTX_FS_TYPE};
+use super::{record_error, Controller, TOPOLOGY_KEY, VOL_CTX_FS_TYPE};
 use crate::backend::capacity::{self, Policy};
-use crate::backend::meta::{now_nanos, Generation, Source, VolumeMeta, VolumeState};
+use crate::backend::meta::{now_nanos, Generation, PublishLock, Source, VolumeMeta, VolumeState};
 use crate::backend::DataRef;
 use crate::capability::{self, Access};
 use crate::error::{CsiError, CsiResult};
@@ -23,6 +23,10 @@ const ALIGN: u64 = 4096;
 pub const PARAM_FS_TYPE: &str = "fsType";
 /// Parameters Kubernetes sidecars may add; accepted and ignored.
 const K8S_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
+/// The StorageClass's filesystem as external-provisioner reads it. It strips
+/// the key before CreateVolume (the filesystem comes in the capability), but
+/// its capacity controller passes the class's raw parameters to GetCapacity.
+const K8S_PARAM_FS_TYPE: &str = "csi.storage.k8s.io/fstype";
 
 fn round_up(n: u64) -> u64 {
     n.div_ceil(ALIGN) * ALIGN
@@ -82,10 +86,15 @@ impl Controller {
     ) -> CsiResult<Option<String>> {
         let mut fs = None;
         for (k, v) in params {
-            if k == PARAM_FS_TYPE {
+            if k == PARAM_FS_TYPE || k == K8S_PARAM_FS_TYPE {
                 if !capability::FS_TYPES.contains(&v.as_str()) {
                     return Err(CsiError::InvalidArgument(format!(
-                        "parameter fsType={v:?} is not supported (ext4, xfs)"
+                        "parameter {k}={v:?} is not supported (ext4, xfs)"
+                    )));
+                }
+                if fs.as_ref().is_some_and(|f| f != v) {
+                    return Err(CsiError::InvalidArgument(format!(
+                        "parameters {PARAM_FS_TYPE} and {K8S_PARAM_FS_TYPE} name different filesystems"
                     )));
                 }
                 fs = Some(v.clone());
@@ -240,6 +249,8 @@ impl Controller {
         let id = VolumeId::generate();
         let meta = VolumeMeta {
             mutable_parameters,
+            // Set by the store when it writes the record.
+            version: 0,
             id: id.to_string(),
             name: req.name.clone(),
             state: VolumeState::Creating,
@@ -329,13 +340,23 @@ impl Controller {
                     CsiError::FailedPrecondition(_) => self.abandon_create(&id, e),
                     other => other,
                 })?;
-                let made = self.backend.clone_data(
+                let made = match self.backend.clone_data_in(
                     &DataRef::Generation(src.clone(), gen),
                     bytes,
                     &id,
                     1,
                     v.capacity_bytes,
-                )?;
+                    &quiet.window(true),
+                ) {
+                    Ok(made) => made,
+                    // Writers let go (the freeze bound) before the copy was read: refused.
+                    Err(_) if quiet.expired() => {
+                        let e = quiet.expiry_refusal(&src);
+                        drop(quiet);
+                        return Err(self.abandon_create(&id, e));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 if let Err(e) = quiet.refuse_torn(&src, made) {
                     drop(quiet);
                     return Err(self.abandon_create(&id, e));
@@ -389,11 +410,16 @@ impl Controller {
                 v.attachments.keys().cloned().collect::<Vec<_>>().join(", ")
             )));
         }
+        // A controller that lost the state dir must not delete what another
+        // one recorded since.
+        self.store
+            .ensure_current(&id)
+            .map_err(|e| record_error("checking the volume's record", e))?;
         self.backend.delete_volume(&id)?;
         crate::failpoint::hit("delete:after-data");
         self.store
             .remove_volume(&id)
-            .map_err(|e| CsiError::internal("removing volume metadata", e))?;
+            .map_err(|e| record_error("removing volume metadata", e))?;
         tracing::info!(volume = %id, "volume deleted");
         Ok(DeleteVolumeResponse {})
     }
@@ -653,6 +679,14 @@ impl Controller {
         if let Some(cap) = &req.volume_capability {
             capability::parse(cap)?;
         }
+        // Until the devices are widened: a stage either attached before (and
+        // is widened below) or reads the grown record (and attaches it whole).
+        let _publish_lock = PublishLock::take_for_rpc(
+            &self.cfg.state_dir,
+            &id,
+            true,
+            "growing the volume's attached devices",
+        )?;
         let size = size_for(Some(range), v.capacity_bytes, self.largest_volume()?)?;
         if size > v.capacity_bytes {
             // A fenced current generation is immutable; the clone made at the
@@ -703,10 +737,37 @@ impl Controller {
             )?;
             if writable {
                 self.backend.grow(&id, gen, from, size)?;
+                crate::failpoint::hit("expand:after-grow");
             }
             v = grown;
             self.persist(&v)?;
+            crate::failpoint::hit("expand:after-record");
             tracing::info!(volume = %id, size, "volume expanded");
+        }
+        // Also on a retry: a widen that failed after the record was written
+        // is made again. Nodes never remap devices (a node that hangs must
+        // not undo a fence with a stale widen): NodeExpandVolume only grows
+        // the filesystem on the device made whole here.
+        let gen = v.current_generation;
+        if !v.current_is_fenced()
+            && !self.backend.fence_marked(&id, gen)
+            && self.backend.generation_exists(&id, gen)
+        {
+            let widened = self
+                .backend
+                .widen(&id, gen, v.data_bytes(gen))
+                .map_err(|e| match e {
+                    crate::backend::BackendError::Fence(crate::fence::FenceError::Io {
+                        ref source,
+                        ..
+                    }) if source.kind() == std::io::ErrorKind::TimedOut => CsiError::Aborted(
+                        format!("volume {id}: a node process holds its image lock; retry later"),
+                    ),
+                    e => e.into(),
+                })?;
+            for lo in &widened {
+                tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), bytes = lo.size_bytes, "attached device widened to the volume's size");
+            }
         }
         Ok(ControllerExpandVolumeResponse {
             capacity_bytes: v.capacity_bytes as i64,

@@ -82,6 +82,19 @@ fn grow_ext4_to_device(device: &Path) -> CsiResult<()> {
     Ok(())
 }
 
+/// Whether a whole-generation fence began on `image` (its marker, or the
+/// immutable flag an older fence set): such a generation is never attached
+/// for writing.
+fn fenced_whole(image: &Path) -> bool {
+    crate::fence::marker_path(image).exists() || crate::fsops::is_immutable(image).unwrap_or(false)
+}
+
+fn overtaken(id: &VolumeId, gen: u64) -> CsiError {
+    CsiError::FailedPrecondition(format!(
+        "generation {gen} of volume {id} was fenced while this node attached it: nothing was staged"
+    ))
+}
+
 impl Node {
     pub(super) fn stage(&self, req: NodeStageVolumeRequest) -> CsiResult<NodeStageVolumeResponse> {
         if req.volume_id.is_empty() {
@@ -143,8 +156,17 @@ impl Node {
                 )));
             }
             crate::failpoint::pause("stage:locked-before-attach", &staging.to_string_lossy());
-            let direct_io = meta.direct_io().unwrap_or(self.cfg.direct_io);
-            self.find_or_attach(&id, gen, &image, readonly, meta.data_bytes(gen), direct_io)?
+            let opts = AttachOptions {
+                read_only: readonly,
+                direct_io: meta.direct_io().unwrap_or(self.cfg.direct_io),
+                tag: loop_tag(&id, gen, &self.node_id),
+                size_limit: meta.data_bytes(gen),
+                logical_block_size: 0,
+            };
+            let key = staging.to_string_lossy();
+            let lo = self.find_or_attach(&id, gen, &image, opts, &key)?;
+            self.refuse_attach_a_fence_overtook(&id, gen, &image, &lo, meta.data_bytes(gen))?;
+            lo
         };
         crate::failpoint::hit("stage:after-attach");
         if access.block {
@@ -207,23 +229,29 @@ impl Node {
         id: &VolumeId,
         gen: u64,
         image: &Path,
-        readonly: bool,
-        data_bytes: u64,
-        direct_io: bool,
+        opts: AttachOptions,
+        pause_key: &str,
     ) -> CsiResult<LoopInfo> {
-        let tag = loop_tag(id, gen, &self.node_id);
+        let (readonly, tag) = (opts.read_only, opts.tag.clone());
         // Shared with other attaches, exclusive with a fence on this image:
         // a fence either sees this device or this attach sees its flag.
-        let _fence_lock = crate::loopdev::BackingLock::on_path(image, false)
-            .map_err(|e| CsiError::internal("locking the image against a concurrent fence", e))?;
-        if !readonly
-            && (crate::fence::marker_path(image).exists()
-                || crate::fsops::is_immutable(image).unwrap_or(false))
-        {
+        let _fence_lock = crate::loopdev::BackingLock::on_path(
+            image,
+            false,
+            crate::locks::CONTROLLER_LOCK_WAIT,
+        )
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::TimedOut => CsiError::Aborted(format!(
+                "generation {gen} of volume {id}: the image is locked by a fence or another attach; retry later"
+            )),
+            _ => CsiError::internal("locking the image against a concurrent fence", e),
+        })?;
+        if !readonly && fenced_whole(image) {
             return Err(CsiError::FailedPrecondition(format!(
                 "generation {gen} of volume {id} is fenced: it cannot be attached for writing"
             )));
         }
+        crate::failpoint::pause("stage:attach-checked", pause_key);
         let (dev, ino) = crate::fsops::dev_ino(image)
             .map_err(|e| CsiError::internal("inspecting the image", e))?;
         let existing = loopdev::find_by_inode(dev, ino)
@@ -242,17 +270,43 @@ impl Node {
             }
             return Ok(lo);
         }
-        loopdev::attach(
-            image,
-            &AttachOptions {
-                read_only: readonly,
-                direct_io,
-                tag,
-                size_limit: data_bytes,
-                logical_block_size: 0,
-            },
-        )
-        .map_err(|e| CsiError::internal(&format!("attaching {}", image.display()), e))
+        loopdev::attach(image, &opts).map_err(|e| {
+            // A fence that did not wait for this attach set the immutable
+            // flag meanwhile: that, not the kernel's EPERM, is the reason.
+            if !readonly && fenced_whole(image) {
+                overtaken(id, gen)
+            } else {
+                CsiError::internal(&format!("attaching {}", image.display()), e)
+            }
+        })
+    }
+
+    /// After the attach: a fence that did not wait for this node's lock (a
+    /// node that hangs must not hold it up) may have made its marker and
+    /// scanned the holders between the check above and the attach, and so
+    /// missed this device. The marker is made before that scan, so it is
+    /// seen here: the device, not used yet, is fenced and released, and the
+    /// stage refused.
+    fn refuse_attach_a_fence_overtook(
+        &self,
+        id: &VolumeId,
+        gen: u64,
+        image: &Path,
+        lo: &LoopInfo,
+        data_bytes: u64,
+    ) -> CsiResult<()> {
+        if lo.read_only || !fenced_whole(image) {
+            return Ok(());
+        }
+        let mine = |l: &LoopInfo| l.device == lo.device;
+        if let Err(e) = crate::fence::fence_devices(image, data_bytes, &mine) {
+            tracing::error!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not fence this node's device on a fenced generation");
+        }
+        if let Err(e) = loopdev::detach(&lo.device) {
+            tracing::warn!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not release this node's device on a fenced generation");
+        }
+        tracing::warn!(volume = %id, generation = gen, device = %lo.device.display(), "a fence overtook this attach: the device is fenced and released");
+        Err(overtaken(id, gen))
     }
 
     fn stage_block(&self, id: &VolumeId, staging: &Path, lo: &LoopInfo) -> CsiResult<()> {

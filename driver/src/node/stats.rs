@@ -144,13 +144,11 @@ impl Node {
                 "volume {id} was fenced away from this node: it is not expanded here"
             )));
         }
-        // A fence of this image takes the lock exclusively: under the shared lock the
-        // device is re-read, and a device a fence remapped to its window (a partial
-        // fence leaves no marker) or a generation fenced whole is never widened back
-        // onto the data.
+        // The controller widened the device when it grew the volume
+        // (ControllerExpandVolume): nodes never remap a device, so a node that
+        // hangs here cannot undo a fence. A fenced device (a window, or a
+        // generation fenced whole) is never grown into.
         let image = self.generation_path(&id, gen);
-        let _fence_lock = loopdev::BackingLock::on_path(&image, false)
-            .map_err(|e| CsiError::internal("locking the image against a concurrent fence", e))?;
         let lo = loopdev::status(&lo.device)
             .map_err(|e| CsiError::internal("reading the loop device", e))?;
         if lo.offset != 0
@@ -161,12 +159,16 @@ impl Node {
                 "this node's device for volume {id} is fenced: it is not expanded"
             )));
         }
-        // The device shows the generation's data and never its fence
-        // trailer: widen the window to the new data size (this also turns a
-        // device attached before windows existed into a windowed one).
-        let size = loopdev::remap(&lo.device, 0, meta.data_bytes(gen))
-            .map_err(|e| CsiError::internal("widening the loop device to the new size", e))?
-            .size_bytes;
+        if lo.size_bytes != meta.data_bytes(gen) {
+            // Never grow a filesystem into the fence trailer either (a device
+            // attached before windows existed shows it).
+            return Err(CsiError::FailedPrecondition(format!(
+                "this node's device for volume {id} shows {} bytes, not its {}: ControllerExpandVolume makes it whole (retry it)",
+                lo.size_bytes,
+                meta.data_bytes(gen)
+            )));
+        }
+        let size = lo.size_bytes;
         if std::fs::metadata(&path)
             .map(|m| m.is_dir())
             .unwrap_or(false)

@@ -1,0 +1,471 @@
+//! A filesystem freeze never outlives the operation that made it
+//! (`controller::quiesce`). On an ext4 state dir (no reflinks: a snapshot of
+//! a volume in use is a full copy with the volume's filesystem frozen):
+//!
+//! - the real controller, a separate process, is SIGKILLed while it copies a
+//!   volume a writer is appending fsync'ed records to (a stall point holds
+//!   the copy with the filesystem frozen). The kernel shows the freeze
+//!   outliving the process (the writer is blocked in D state and acknowledges
+//!   nothing); the restarted controller thaws it before it serves (the writer
+//!   goes on within a bound), the freeze record is gone, a retried
+//!   CreateSnapshot succeeds and holds every record acknowledged before it
+//!   was asked for, and every acknowledged record is in the volume;
+//! - a filesystem someone else froze is left to them: the snapshot is refused
+//!   with that reason (not "a mount this controller cannot see"), and neither
+//!   the refusal nor a controller restart thaws it;
+//! - a freeze is let go at `--max-freeze` even while the copy is held: the
+//!   writer goes on, and the copy is refused and leaves nothing.
+//!
+//! Writers run in child processes, so a D-state write never hangs the test
+//! itself; every test thaws the volume's filesystem as a last resort before
+//! its teardown, failing or not.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fencecsi_driver::config::Mode;
+use fencecsi_driver::failpoint;
+use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::records::{check, missing, RECORD_SIZE};
+use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
+use fencecsi_tests::writer::Writer;
+use fencecsi_tests::{
+    csi, monotonic_ns, mount_cap, require_root, wait_for_socket, Access, Env, Process,
+};
+use tonic::Code;
+
+const SIZE: i64 = 256 << 20;
+const FIFREEZE: libc::c_ulong = 0xC004_5877;
+const FITHAW: libc::c_ulong = 0xC004_5878;
+/// How long the writer may take to go on once the restarted controller serves.
+const RESUME_BOUND: Duration = Duration::from_secs(10);
+
+fn ioctl(path: &Path, op: libc::c_ulong) -> std::io::Result<()> {
+    let dir = File::open(path)?;
+    // SAFETY: ioctl on a directory fd we own; the argument is unused.
+    if unsafe { libc::ioctl(dir.as_raw_fd(), op, 0) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Thaws the filesystems at these mounts when dropped (the last resort, so
+/// that a failing test leaves nothing frozen; EINVAL, not frozen, is fine).
+/// Declared after the writer, so it drops first and the writer can be reaped.
+struct ThawOnDrop(Vec<PathBuf>);
+impl Drop for ThawOnDrop {
+    fn drop(&mut self) {
+        for m in &self.0 {
+            match ioctl(m, FITHAW) {
+                Ok(()) => eprintln!("test clean-up thawed {}", m.display()),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {}
+                Err(e) => eprintln!("test clean-up: cannot thaw {}: {e}", m.display()),
+            }
+        }
+    }
+}
+
+fn ext4_backing() -> (Env, Env) {
+    fencecsi_tests::init_tracing();
+    let outer = Env::new();
+    let mnt = fencecsi_tests::backing_fs(&outer, "ext4", 2 << 30);
+    let env = Env::new_in(&mnt);
+    (outer, env)
+}
+
+fn records_file(p: &Placement) -> PathBuf {
+    p.target.join("records.log")
+}
+
+fn start_writer(p: &Placement) -> Writer {
+    Writer::start(
+        Path::new(env!("CARGO_BIN_EXE_fencecsi-writer")),
+        &records_file(p),
+        false,
+        &["--interval-ms", "2"],
+    )
+}
+
+async fn wait_acked(w: &Writer, n: u64, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    while w.acked() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {} records acknowledged, {n} expected within {within:?}",
+            w.acked()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The process state letter (R, S, D, ...) and wait channel of `pid`.
+fn proc_state(pid: u32) -> (char, String) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
+        .unwrap_or('?');
+    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+    (state, wchan)
+}
+
+/// The freeze records in the state dir.
+fn freeze_records(env: &Env) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(env.state_dir().join("freezes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn snapshot_dirs(env: &Env) -> Vec<String> {
+    std::fs::read_dir(env.state_dir().join("snapshots"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// CreateSnapshot; the future owns what it needs (to be spawned).
+fn snapshot(
+    mut c: CsiClient,
+    name: &str,
+    vol: &str,
+) -> impl std::future::Future<Output = Result<csi::Snapshot, tonic::Status>> + Send + 'static {
+    let req = csi::CreateSnapshotRequest {
+        name: name.into(),
+        source_volume_id: vol.into(),
+        ..Default::default()
+    };
+    async move {
+        c.controller
+            .create_snapshot(req)
+            .await
+            .map(|r| r.into_inner().snapshot.unwrap())
+    }
+}
+
+async fn delete_snapshot(rig: &Rig, snapshot_id: String) {
+    rig.controller
+        .clone()
+        .controller
+        .delete_snapshot(csi::DeleteSnapshotRequest {
+            snapshot_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// Whether a thread of `pid` waits at a stall point.
+fn stalled(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim() == failpoint::STALLED_THREAD)
+        })
+}
+
+/// Records 0..k intact with nothing after k, and k >= `before`.
+fn assert_prefix(data: &[u8], before: u64, what: &str) {
+    let n = (data.len() / RECORD_SIZE) as u64;
+    let at = |s: u64| {
+        let o = s as usize * RECORD_SIZE;
+        check(&data[o..o + RECORD_SIZE], s)
+    };
+    let k = (0..n).take_while(|s| at(*s)).count() as u64;
+    assert!(
+        !(k..n).any(at),
+        "{what}: records after a gap: not one instant"
+    );
+    assert!(
+        k >= before && before > 0,
+        "{what}: {k} records, {before} acknowledged before it was asked for"
+    );
+}
+
+/// The controller SIGKILLed in the middle of a snapshot's copy, with the
+/// volume's filesystem frozen: the restarted controller thaws it before it
+/// serves, and the retried snapshot succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
+    require_root!();
+    fresh_driver_binary();
+    let (outer, env) = ext4_backing();
+    let mut ccfg = env.config(Mode::Controller, None, "controller");
+    // The kill, not the bound, must end this freeze.
+    ccfg.max_freeze = Duration::from_secs(600);
+    let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+    let mut crashing = Process::spawn_with_env(
+        &ccfg,
+        &[
+            (failpoint::ENV, "quiesce:copying"),
+            ("RUST_LOG", log.as_str()),
+        ],
+    );
+    let ctl = wait_for_socket(&crashing.socket).await;
+    let mut rig = Rig::start_nodes(&env, &["node-a"], ctl).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, p) = rig
+        .create_attached(&env, "frozen", SIZE, &cap, "node-a", "pod-a")
+        .await;
+    let vol = vol.volume_id;
+    let writer = start_writer(&p);
+    let _thaw = ThawOnDrop(vec![p.staging.clone(), p.target.clone()]);
+    wait_acked(&writer, 50, Duration::from_secs(30), "before the snapshot").await;
+
+    // The snapshot freezes the filesystem and stalls in its copy.
+    let call = tokio::spawn(snapshot(rig.controller.clone(), "snap", &vol));
+    let pid = crashing.child.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !stalled(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the snapshot never reached its copy"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Its record names the filesystem and the controller.
+    let records = freeze_records(&env);
+    assert_eq!(records.len(), 1, "one freeze record: {records:?}");
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&records[0]).unwrap()).unwrap();
+    assert_eq!(rec["owner"]["pid"], pid, "{rec}");
+    let fs = &rec["filesystems"][0];
+    assert_eq!(fs["volume"], vol.as_str(), "{rec}");
+    let named: Vec<&str> = fs["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["path"].as_str())
+        .collect();
+    assert!(
+        named.contains(&p.staging.to_str().unwrap()),
+        "the record names the staging mount: {rec}"
+    );
+
+    crashing.kill9();
+    let killed_at = Instant::now();
+    assert!(
+        call.await.unwrap().is_err(),
+        "the snapshot must die with the controller"
+    );
+    // Positive control, on the kernel: the freeze outlived the process. The
+    // writer acknowledges nothing and sits in D state.
+    let acked = writer.acked();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (state, wchan) = proc_state(writer.pid());
+    assert_eq!(
+        writer.acked(),
+        acked,
+        "the writer went on: nothing was frozen (state {state}, wchan {wchan})"
+    );
+    assert_eq!(
+        state, 'D',
+        "the writer is not blocked in the kernel (wchan {wchan})"
+    );
+    eprintln!(
+        "frozen {:?} after the kill: writer in state {state}, wchan {wchan}",
+        killed_at.elapsed()
+    );
+
+    // The restarted controller thaws it before it serves.
+    let started = Instant::now();
+    let restarted = Process::spawn_with_env(&ccfg, &[("RUST_LOG", log.as_str())]);
+    rig.controller = wait_for_socket(&restarted.socket).await;
+    let serving = started.elapsed();
+    wait_acked(
+        &writer,
+        acked + 20,
+        RESUME_BOUND,
+        "the writer after the controller's restart",
+    )
+    .await;
+    eprintln!(
+        "controller serving {serving:?} after its restart; writer going on {:?} after it",
+        started.elapsed()
+    );
+    assert_eq!(
+        freeze_records(&env),
+        Vec::<PathBuf>::new(),
+        "the settled record is gone"
+    );
+
+    // The retried snapshot succeeds (no filesystem is still frozen to answer EBUSY).
+    let asked = monotonic_ns();
+    let snap = snapshot(rig.controller.clone(), "snap", &vol)
+        .await
+        .expect("the retried snapshot");
+    let more = writer.acked() + 20;
+    wait_acked(&writer, more, RESUME_BOUND, "the writer after the snapshot").await;
+    assert_eq!(freeze_records(&env), Vec::<PathBuf>::new());
+    let (acks, errors) = writer.stop();
+    assert_eq!(errors, 0, "the writer saw errors");
+    let before = acks.iter().filter(|(_, t)| *t < asked).count() as u64;
+
+    // Nothing acknowledged was lost...
+    let data = std::fs::read(records_file(&p)).unwrap();
+    let last = acks.last().unwrap().0;
+    assert_eq!(
+        missing(&data, last),
+        Vec::<u64>::new(),
+        "acknowledged records missing from the volume"
+    );
+    // ...and the snapshot is one instant holding what was acknowledged before it.
+    let restored = rig
+        .create_volume(csi::CreateVolumeRequest {
+            volume_content_source: from_snapshot(&snap.snapshot_id),
+            ..create_request("restored", SIZE, &cap)
+        })
+        .await
+        .unwrap();
+    let r = rig
+        .attach(&env, &restored.volume_id, "node-a", "pod-r", &cap)
+        .await
+        .unwrap();
+    assert_prefix(
+        &std::fs::read(records_file(&r)).unwrap(),
+        before,
+        "the retried snapshot",
+    );
+    rig.detach_and_delete(&r).await.unwrap();
+    rig.detach_and_delete(&p).await.unwrap();
+    delete_snapshot(&rig, snap.snapshot_id).await;
+    drop(restarted);
+    rig.stop().await;
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+}
+
+/// A filesystem someone else froze: the snapshot is refused with that
+/// reason, and the controller thaws it neither then nor at its restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filesystem_someone_else_froze_is_refused_as_such_and_left_to_them() {
+    require_root!();
+    let (outer, env) = ext4_backing();
+    let mut rig = Rig::start(&env, &["node-a"]).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, p) = rig
+        .create_attached(&env, "theirs", 64 << 20, &cap, "node-a", "pod-a")
+        .await;
+    let vol = vol.volume_id;
+    std::fs::write(p.target.join("data"), b"before their freeze").unwrap();
+    let _thaw = ThawOnDrop(vec![p.staging.clone()]);
+    ioctl(&p.staging, FIFREEZE).expect("freezing it as someone else would");
+
+    let err = snapshot(rig.controller.clone(), "snap", &vol)
+        .await
+        .expect_err("no point-in-time copy of a filesystem someone else froze, without reflinks");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let msg = err.message();
+    assert!(
+        msg.contains("already frozen") && msg.contains("EBUSY"),
+        "the true reason: {msg}"
+    );
+    assert!(!msg.contains("cannot see"), "a wrong reason: {msg}");
+    assert_eq!(
+        snapshot_dirs(&env),
+        Vec::<String>::new(),
+        "refused, yet left a copy"
+    );
+    assert_eq!(
+        freeze_records(&env),
+        Vec::<PathBuf>::new(),
+        "their freeze is not in a record"
+    );
+
+    // A restart (its start-up pass) leaves it frozen too.
+    rig.restart_controller(&env).await;
+    ioctl(&p.staging, FITHAW)
+        .expect("still frozen: the controller thawed a freeze it did not make");
+
+    // Thawed by whoever froze it: the snapshot goes through.
+    let snap = snapshot(rig.controller.clone(), "snap", &vol)
+        .await
+        .expect("a snapshot once thawed");
+    delete_snapshot(&rig, snap.snapshot_id).await;
+    rig.detach_and_delete(&p).await.unwrap();
+    rig.stop().await;
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+}
+
+/// A copy held with the filesystem frozen: the watchdog lets the writers go
+/// at `--max-freeze` though the call has not ended, and the copy is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freeze_is_let_go_at_its_bound() {
+    require_root!();
+    let (outer, env) = ext4_backing();
+    let bound = Duration::from_secs(1);
+    let rig = Rig::start_with(&env, &["node-a"], |c| c.max_freeze = bound).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, p) = rig
+        .create_attached(&env, "bounded", 64 << 20, &cap, "node-a", "pod-a")
+        .await;
+    let vol = vol.volume_id;
+    let writer = start_writer(&p);
+    let _thaw = ThawOnDrop(vec![p.staging.clone()]);
+    wait_acked(&writer, 50, Duration::from_secs(30), "before the snapshot").await;
+
+    let paused = failpoint::arm_pause("snapshot:before-copy", &vol);
+    let call = tokio::spawn(snapshot(rig.controller.clone(), "snap", &vol));
+    let (reached, paused) =
+        tokio::task::spawn_blocking(move || (paused.wait_reached(Duration::from_secs(30)), paused))
+            .await
+            .unwrap();
+    assert!(reached, "the snapshot reached its copy");
+    let frozen_seen = Instant::now();
+    // Positive control: frozen now (a record, and the writer stopped).
+    assert_eq!(freeze_records(&env).len(), 1, "nothing recorded as frozen");
+    let acked = writer.acked();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        writer.acked() <= acked + 1,
+        "the writer went on: nothing was frozen"
+    );
+    // Let go at the bound, while the call is still held.
+    wait_acked(&writer, acked + 20, bound * 5, "the writer at the bound").await;
+    eprintln!(
+        "writer went on {:?} after the freeze was seen (bound {bound:?})",
+        frozen_seen.elapsed()
+    );
+    assert!(!call.is_finished(), "the call is still held");
+    assert_eq!(
+        freeze_records(&env),
+        Vec::<PathBuf>::new(),
+        "the watchdog removed the record"
+    );
+    paused.release();
+    let err = call
+        .await
+        .unwrap()
+        .expect_err("a copy whose writers were let go is not one instant");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("--max-freeze"), "{err:?}");
+    drop(paused);
+    assert_eq!(
+        snapshot_dirs(&env),
+        Vec::<String>::new(),
+        "refused, yet left a copy"
+    );
+    let (_, errors) = writer.stop();
+    assert_eq!(errors, 0);
+    rig.detach_and_delete(&p).await.unwrap();
+    rig.stop().await;
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+}
