@@ -5,6 +5,7 @@
 //! in-flight lock, so concurrent calls for one volume get ABORTED.
 
 pub mod attach;
+mod freeze_record;
 mod group;
 mod leftovers;
 pub mod modify;
@@ -111,7 +112,7 @@ impl Controller {
         std::fs::create_dir_all(&cfg.state_dir)?;
         let owner = OwnerLock::acquire(&cfg.state_dir)?;
         // Before anything else: a freeze a dead controller left blocks the volume's writers.
-        quiesce::thaw_leftovers(&cfg.state_dir, true);
+        freeze_record::thaw_leftovers(&cfg.state_dir, true);
         let (state_id, made) = crate::state_id::ensure(&cfg.state_dir, &cfg.boot_id_file)
             .map_err(std::io::Error::other)?;
         if made {
