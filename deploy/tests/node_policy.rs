@@ -258,6 +258,107 @@ fn the_node_plugin_may_change_only_its_own_nodes_clean_report() {
     );
 }
 
+/// `n` with `metadata.<field>` set to `value`, or without it (`None`).
+fn with_meta_field(mut n: Value, field: &str, value: Option<&Value>) -> Value {
+    let m = n["metadata"].as_object_mut().unwrap();
+    match value {
+        Some(v) => {
+            m.insert(field.into(), v.clone());
+        }
+        None => {
+            m.remove(field);
+        }
+    }
+    n
+}
+
+fn owner_reference(name: &str, uid: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "ConfigMap", "name": name, "uid": uid})
+}
+
+/// The node plugin's token may not touch its Node's ownerReferences (one naming an object
+/// that does not exist gets the Node garbage-collected) or finalizers: changing, adding
+/// and removing are refused, each beside its control, the same clean report with that
+/// list left as it was. The policy compares has()-guarded variables rather than
+/// `object.metadata.?ownerReferences`: optional types would be within Kubernetes 1.30 (the
+/// floor, deploy/README.md), but this interpreter does not parse `.?`.
+#[test]
+fn the_node_plugin_may_not_change_its_nodes_owner_references_or_finalizers() {
+    let p = policy();
+    let me = node_plugin_user();
+    let lists = [
+        (
+            "ownerReferences",
+            json!([owner_reference("keeper", "uid-1")]),
+            json!([owner_reference("other", "uid-2")]),
+        ),
+        (
+            "finalizers",
+            json!(["example.com/keep"]),
+            json!(["example.com/other"]),
+        ),
+    ];
+    for (field, a, b) in &lists {
+        let both = json!([a[0], b[0]]);
+        let none = json!([]);
+        // (what, the list before, the list the request leaves)
+        let refused: [(&str, Option<&Value>, Option<&Value>); 6] = [
+            ("changed", Some(a), Some(b)),
+            ("added to a Node without one", None, Some(a)),
+            ("added beside the one there", Some(a), Some(&both)),
+            ("removed, field and all", Some(a), None),
+            ("removed, an empty list left", Some(a), Some(&none)),
+            ("one of two removed", Some(&both), Some(a)),
+        ];
+        for (what, before, after) in refused {
+            let old = with_meta_field(node("n1"), field, before);
+            let changed = with_meta_field(with_clean_report(old.clone()), field, after);
+            let v = p.admit(request(&me, Some("n1")), &changed, &old);
+            assert!(
+                matches!(&v, Verdict::Denied(m) if m.contains(field)),
+                "{field} {what}: {v:?}"
+            );
+            // Control: the same request without that change.
+            let control = with_clean_report(old.clone());
+            assert_eq!(
+                p.admit(request(&me, Some("n1")), &control, &old),
+                Verdict::Allowed,
+                "{field} {what}: the control"
+            );
+        }
+        // Absent and empty are the same list: writing either over the other changes
+        // nothing.
+        let absent = node("n1");
+        let empty = with_meta_field(node("n1"), field, Some(&json!([])));
+        for (old, new) in [(&absent, &empty), (&empty, &absent)] {
+            assert_eq!(
+                p.admit(
+                    request(&me, Some("n1")),
+                    &with_clean_report(new.clone()),
+                    old
+                ),
+                Verdict::Allowed,
+                "{field}: absent and empty"
+            );
+        }
+    }
+    // Anyone else (the garbage collector, another controller) is not this policy's
+    // business.
+    let old = with_meta_field(node("n1"), "finalizers", Some(&json!(["example.com/keep"])));
+    let released = with_meta_field(old.clone(), "finalizers", None);
+    assert_eq!(
+        p.admit(
+            request(
+                "system:serviceaccount:kube-system:generic-garbage-collector",
+                None
+            ),
+            &released,
+            &old
+        ),
+        Verdict::NotMatched
+    );
+}
+
 #[test]
 fn the_policy_is_bound_to_deny() {
     let p = policy();

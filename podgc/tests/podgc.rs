@@ -6,12 +6,15 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
 use common::*;
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::api::core::v1::{
     Node, NodeCondition, PersistentVolume, PersistentVolumeClaim, Pod, Taint, Volume,
 };
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, VolumeAttachment};
-use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+    MicroTime, ObjectMeta, Time,
+};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::sim::{self, ready_node};
 use fencecsi_cluster::well_known::*;
@@ -753,6 +756,166 @@ async fn an_out_of_service_taint_podgc_did_not_add_stays() {
         "the administrator's taint stays"
     );
     h.shutdown().await.unwrap();
+}
+
+/// Renews `node`'s Lease in kube-node-lease now (creates it first).
+async fn renew_lease(c: &Cluster, node: &str) {
+    let leases = c.api::<Lease>(Some(NODE_LEASE_NAMESPACE));
+    let now = Some(MicroTime(Timestamp::now()));
+    match leases.get_opt(node).await.unwrap() {
+        None => {
+            let lease = Lease {
+                metadata: meta(node, Some(NODE_LEASE_NAMESPACE)),
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(node.into()),
+                    renew_time: now,
+                    ..Default::default()
+                }),
+            };
+            leases.create(&lease).await.unwrap();
+        }
+        Some(mut l) => {
+            l.spec.get_or_insert_with(Default::default).renew_time = now;
+            leases.replace(&l).await.unwrap();
+        }
+    }
+}
+
+/// What changes on the API server after podgc's watches went silent, once its cache has
+/// seen n1 ready for a lift.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BehindTheWatch {
+    /// Nothing: the cache is behind but still right.
+    Nothing,
+    /// n1 turns NotReady.
+    NodeNotReady,
+    /// A VolumeAttachment of the safe-detach driver names n1.
+    NewAttachment,
+}
+
+/// How long the lift scenario watches for a lift once n1's Lease is renewed again (the
+/// control lifts within a pass or two of that).
+const LIFT_WINDOW: Duration = Duration::from_secs(3);
+
+/// n1 is quarantined from its Lease alone (no heartbeat: `node_lease_grace` 1 s, the
+/// shutdown grace an hour), its attachment goes, fences done, it reports clean: podgc's
+/// cache now has it Ready, clean and without attachments, and only the stale Lease keeps
+/// the quarantine. Then the Node and VolumeAttachment watches go silent (a network cut),
+/// `change` happens on the API server, and n1's Lease is renewed (its watch still works):
+/// the cache says lift. Returns whether podgc lifted within [`LIFT_WINDOW`], and the
+/// cluster.
+async fn lift_with_watches_behind(change: BehindTheWatch) -> (bool, Cluster) {
+    let c = cluster(&["n1", "n2", "n3"]).await;
+    renew_lease(&c, "n1").await;
+    let (_, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
+    terminate(&c, "db-0").await;
+    let h = PodGc::new(
+        c.clone(),
+        PodGcConfig {
+            shutdown_grace: Duration::from_secs(3600),
+            node_lease_grace: Some(Duration::from_secs(1)),
+            ..cfg()
+        },
+    )
+    .spawn();
+    let nodes = c.api::<Node>(None);
+    let vas = c.api::<VolumeAttachment>(None);
+    wait_for("attachment deleted", || async {
+        vas.get_opt(va.as_ref().unwrap()).await.unwrap().is_none()
+    })
+    .await;
+    wait_for("fences done", || async {
+        annotation(&nodes.get("n1").await.unwrap(), FENCES_DONE).is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(NodeCleanReporter::new(&c, "n1")
+        .report_clean("n1", SystemTime::now())
+        .await
+        .unwrap());
+    // The watches deliver the report; only the stale Lease holds the quarantine.
+    passes(&h, 4).await;
+    let s = h.next_pass().await;
+    assert_eq!(s.unhealthy, 1, "n1's Lease is stale: {s:?}");
+    let n1 = nodes.get("n1").await.unwrap();
+    assert!(has_taint(&n1, QUARANTINE_TAINT_KEY));
+    assert!(annotation(&n1, NODE_CLEAN_ANNOTATION).is_some());
+
+    c.cut_watches::<Node>();
+    c.cut_watches::<VolumeAttachment>();
+    match change {
+        BehindTheWatch::Nothing => {}
+        BehindTheWatch::NodeNotReady => {
+            set_ready(&c, "n1", "False", Duration::ZERO).await;
+        }
+        BehindTheWatch::NewAttachment => {
+            vas.create(&volume_attachment(
+                meta("va-after-the-cut", None),
+                SAFE,
+                "n1",
+                "pv-after-the-cut",
+            ))
+            .await
+            .unwrap();
+        }
+    }
+    let renewing = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            loop {
+                renew_lease(&c, "n1").await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let start = std::time::Instant::now();
+    let mut lifted = false;
+    while !lifted && start.elapsed() < LIFT_WINDOW {
+        lifted = h.next_pass().await.lifted.contains(&"n1".to_string());
+    }
+    renewing.abort();
+    assert_eq!(
+        lifted,
+        !has_taint(&nodes.get("n1").await.unwrap(), QUARANTINE_TAINT_KEY),
+        "the pass summaries and the Node agree"
+    );
+    h.shutdown().await.unwrap();
+    (lifted, c)
+}
+
+/// Issue 17: the lift was decided on the cache, so a Node watch behind (an API server
+/// restart) or dead (a network cut) could lift the quarantine of a node no longer Ready.
+/// podgc now reads the Node right before it lifts and goes by that. Control:
+/// `a_lift_behind_watches_that_are_still_right_happens`.
+#[tokio::test]
+async fn a_lift_goes_by_the_node_read_afresh_not_by_a_watch_that_is_behind() {
+    let (lifted, c) = lift_with_watches_behind(BehindTheWatch::NodeNotReady).await;
+    assert!(!lifted, "n1 is NotReady on the API server");
+    assert!(events(&c, "QuarantineLifted").await.is_empty());
+}
+
+/// The same for a VolumeAttachment the watch did not deliver: it is read afresh too, and
+/// goes into the cache as the watch would have put it, so fences-done is cleared (the new
+/// attachment needs its fence and a clean report after it). Control:
+/// `a_lift_behind_watches_that_are_still_right_happens`.
+#[tokio::test]
+async fn a_lift_waits_for_a_volume_attachment_the_watch_did_not_deliver() {
+    let (lifted, c) = lift_with_watches_behind(BehindTheWatch::NewAttachment).await;
+    assert!(!lifted, "a VolumeAttachment names n1 on the API server");
+    let n1 = c.api::<Node>(None).get("n1").await.unwrap();
+    assert!(
+        annotation(&n1, FENCES_DONE).is_none(),
+        "fences-done cleared for the new attachment"
+    );
+}
+
+/// The control of the two above: the same run, nothing changed behind the silent watches:
+/// the fresh reads agree with the cache, and the quarantine is lifted.
+#[tokio::test]
+async fn a_lift_behind_watches_that_are_still_right_happens() {
+    let (lifted, c) = lift_with_watches_behind(BehindTheWatch::Nothing).await;
+    assert!(lifted, "nothing changed on the API server");
+    assert_eq!(events(&c, "QuarantineLifted").await.len(), 1);
 }
 
 /// A cluster with three nodes n1..n3 whose simulated kubelets renew their Leases every

@@ -73,6 +73,35 @@ impl NodeInfo {
             oos_added: get(OUT_OF_SERVICE_ADDED).is_some(),
         }
     }
+
+    /// Whether the Node, as this projection of it says, lets its quarantine go: it carries
+    /// the quarantine, is Ready, its fences are done (`quarantined-at` re-stamped when its
+    /// last VolumeAttachment of a safe-detach driver went), and its clean report is newer
+    /// than that stamp. `Ok((quarantined_at, clean_at))`, or what holds the quarantine.
+    /// The VolumeAttachments are not the Node's to say: the caller checks them.
+    pub(super) fn liftable(&self) -> Result<(Timestamp, Timestamp), String> {
+        if !self.quarantined {
+            return Err("it carries no quarantine taint".into());
+        }
+        if self.ready != Readiness::True {
+            return Err(format!("it is not Ready ({:?})", self.ready));
+        }
+        if !self.fences_done {
+            return Err("its fences are not marked done".into());
+        }
+        let (Some(qa), Some(clean)) = (self.quarantined_at, self.clean_at) else {
+            return Err(format!(
+                "no clean report after the quarantine (quarantined-at {:?}, node-clean {:?})",
+                self.quarantined_at, self.clean_at
+            ));
+        };
+        if clean <= qa {
+            return Err(format!(
+                "its clean report ({clean}) is not newer than quarantined-at ({qa})"
+            ));
+        }
+        Ok((qa, clean))
+    }
 }
 
 pub(super) fn taints(n: &Node) -> &[Taint] {
@@ -262,6 +291,12 @@ impl Caches {
         (old, info)
     }
 
+    /// Records a VolumeAttachment read from the API server that the watch has not
+    /// delivered (yet), as the watch would have.
+    pub(super) fn note_va(&mut self, va: &VolumeAttachment) {
+        self.put_va(va);
+    }
+
     pub(super) fn apply_va(&mut self, ev: WatchEvent<VolumeAttachment>) -> bool {
         let quarantined = |c: &Caches, node: &str| c.nodes.get(node).is_some_and(|n| n.quarantined);
         match ev {
@@ -362,6 +397,38 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    /// What a lift needs of the Node, one thing missing at a time (the lift checks a Node
+    /// read afresh with the same function as the cache's).
+    #[test]
+    fn a_node_is_liftable_only_quarantined_ready_fenced_and_clean_after_the_stamp() {
+        let qa = Timestamp::from_second(1_000).unwrap();
+        let ok = NodeInfo {
+            ready: Readiness::True,
+            quarantined: true,
+            quarantined_at: Some(qa),
+            clean_at: Some(Timestamp::from_second(1_001).unwrap()),
+            fences_done: true,
+            oos_added: false,
+        };
+        assert_eq!(
+            ok.liftable(),
+            Ok((qa, Timestamp::from_second(1_001).unwrap()))
+        );
+        let refused = |f: &dyn Fn(&mut NodeInfo), why: &str| {
+            let mut n = ok.clone();
+            f(&mut n);
+            let e = n.liftable().unwrap_err();
+            assert!(e.contains(why), "{e}");
+        };
+        refused(&|n| n.quarantined = false, "no quarantine");
+        refused(&|n| n.ready = Readiness::NotReady(qa), "not Ready");
+        refused(&|n| n.ready = Readiness::Missing, "not Ready");
+        refused(&|n| n.fences_done = false, "fences");
+        refused(&|n| n.clean_at = None, "no clean report");
+        refused(&|n| n.quarantined_at = None, "no clean report");
+        refused(&|n| n.clean_at = Some(qa), "not newer");
     }
 
     /// The Lease read before acting decides: the renewal the watch delivered means stale;

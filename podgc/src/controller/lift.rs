@@ -2,14 +2,24 @@
 //! last VolumeAttachment of a safe-detach driver goes (see the module root for why). The
 //! lift needs the node Ready, no such VolumeAttachment, and a clean report newer than the
 //! re-stamp.
+//!
+//! The caches only say when to look: they are fed by watches, and a watch can be behind
+//! (it backs off after an API server restart) or dead without a sign (a network cut). A
+//! lift is decided on the Node and the VolumeAttachments read from the API server right
+//! before it, as a stale-looking Lease is read again before podgc acts on a node
+//! (`Runner::lease_still_stale`). When those reads disagree with the cache, nothing is
+//! lifted this pass, and the cache takes what was read.
+
+use std::collections::HashSet;
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::well_known::{
     OUT_OF_SERVICE_TAINT_KEY, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY,
 };
-use fencecsi_cluster::{EventType, MetadataPatch};
+use fencecsi_cluster::{EventType, ListParams, MetadataPatch};
 
-use super::caches::{NodeInfo, Readiness};
+use super::caches::NodeInfo;
 use super::quarantine::node_patch;
 use super::{now, Runner};
 use crate::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
@@ -38,18 +48,62 @@ impl Runner {
                 .await?;
             return Ok(false);
         }
-        if unhealthy || info.ready != Readiness::True || vas > 0 {
+        if unhealthy || vas > 0 || info.liftable().is_err() {
             return Ok(false);
         }
-        let (Some(qa), Some(clean)) = (info.quarantined_at, info.clean_at) else {
-            return Ok(false);
-        };
-        if clean <= qa {
-            return Ok(false);
-        }
+        // The cache says lift; the API server decides. The Node is read again on every
+        // attempt, and the write below is conditional on the resourceVersion read, so the
+        // lift is decided on the very Node it changes.
         let nodes = self.cluster.api::<Node>(None);
+        let mut attachments_checked = false;
         for _ in 0..5 {
             let mut n = nodes.get(node).await?;
+            let fresh = NodeInfo::of(&n, self.caches.nodes.get(node));
+            let (qa, clean) = match fresh.liftable() {
+                Ok(t) => t,
+                Err(why) => {
+                    tracing::warn!(
+                        node,
+                        api_server = %why,
+                        cached = ?info,
+                        "podgc's Node watch said the quarantine could be lifted, but the Node read just now disagrees (the watch is behind, or the Node just changed): not lifting it this pass"
+                    );
+                    self.caches.nodes.insert(node.to_string(), fresh);
+                    return Ok(false);
+                }
+            };
+            if !attachments_checked {
+                // The VolumeAttachments are read again too. Their cache is no more
+                // authoritative than the Node's: the same API server restart or network
+                // cut holds up every watch. It errs one way only: a VolumeAttachment it
+                // still holds keeps the quarantine until the watch delivers its deletion,
+                // so a VolumeAttachment that was there when the fences were marked done
+                // cannot be missed. But one created while the watch was behind (for a pod
+                // that tolerates the quarantine taint, say) would be, and it calls for new
+                // fences and a new clean report (fences-done cleared, as when the watch
+                // delivers it). One list, paged, of all VolumeAttachments (the API server
+                // has no field selector on spec.nodeName), made only for a lift about to
+                // happen: about once per node that comes back. Which drivers declare safe
+                // detach stays the cache's: a CSIDriver's annotation changes only when the
+                // driver is installed or reconfigured.
+                let missed = self.safe_attachments_listed_on(node).await?;
+                if !missed.is_empty() {
+                    let names: Vec<&str> = missed
+                        .iter()
+                        .filter_map(|va| va.metadata.name.as_deref())
+                        .collect();
+                    tracing::warn!(
+                        node,
+                        volume_attachments = ?names,
+                        "VolumeAttachments of a safe-detach driver name the node that podgc's watch has not delivered (yet): not lifting its quarantine this pass"
+                    );
+                    for va in &missed {
+                        self.caches.note_va(va);
+                    }
+                    return Ok(false);
+                }
+                attachments_checked = true;
+            }
             let owned_oos = n
                 .metadata
                 .annotations
@@ -97,5 +151,28 @@ impl Runner {
             "the node changed under every attempt to lift its quarantine; retried next pass"
         );
         Ok(false)
+    }
+
+    /// The VolumeAttachments of safe-detach drivers naming `node`, as the API server has
+    /// them now.
+    async fn safe_attachments_listed_on(
+        &self,
+        node: &str,
+    ) -> anyhow::Result<Vec<VolumeAttachment>> {
+        let safe: HashSet<String> = self
+            .caches
+            .drivers
+            .iter()
+            .filter(|(_, safe)| **safe)
+            .map(|(d, _)| d.clone())
+            .collect();
+        let node = node.to_string();
+        Ok(self
+            .cluster
+            .api::<VolumeAttachment>(None)
+            .list_filtered(&ListParams::default(), move |va| {
+                va.spec.node_name == node && safe.contains(&va.spec.attacher)
+            })
+            .await?)
     }
 }
