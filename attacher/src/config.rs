@@ -149,20 +149,9 @@ impl Config {
     }
 }
 
-/// `$POD_NAME` or the host name, plus a random suffix (two replicas never share one).
+/// See [`fencecsi_cluster::cli::default_identity`].
 pub fn default_identity() -> String {
-    let base = std::env::var("POD_NAME")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .ok()
-                .map(|s| s.trim().to_string())
-        })
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "fencecsi-attacher".into());
-    let suffix = uuid::Uuid::new_v4().simple().to_string();
-    format!("{base}-{}", &suffix[..8])
+    fencecsi_cluster::cli::default_identity("fencecsi-attacher")
 }
 
 /// The duration parser every fencecsi binary shares.

@@ -86,6 +86,22 @@ fn own_namespace_from(file: &std::path::Path) -> String {
         .unwrap_or_else(|| FALLBACK_NAMESPACE.to_string())
 }
 
+/// A replica's identity (Events, leader election) when none is given: `$POD_NAME`, else
+/// the host name, else `fallback`, plus a random suffix, so two replicas never share one.
+pub fn default_identity(fallback: &str) -> String {
+    let base = std::env::var("POD_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|s| s.trim().to_string())
+        })
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| fallback.to_string());
+    format!("{base}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
 /// The API-server connection flag, the same in every binary that talks to one.
 #[derive(Debug, Clone, Default, Args)]
 pub struct KubeArgs {

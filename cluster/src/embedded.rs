@@ -280,6 +280,10 @@ impl<K: Object> KindStore<K> {
             .insert(ns.to_string());
     }
 
+    pub(crate) fn allow(&self, ns: &str) {
+        self.denied.write().expect("embedded deny lock").remove(ns);
+    }
+
     fn guard(&self, ns: &str) -> Result<()> {
         if self.denied.read().expect("embedded deny lock").contains(ns) {
             return Err(Error::Forbidden(format!(

@@ -210,6 +210,14 @@ impl Cluster {
         }
     }
 
+    /// Embedded only: undoes [`Cluster::deny`] (the callers can reach it again).
+    #[cfg(feature = "embedded")]
+    pub fn allow<K: Object>(&self, namespace: &str) {
+        if let Inner::Embedded(e) = &self.inner {
+            e.kind::<K>().allow(namespace);
+        }
+    }
+
     /// Embedded only: every watch of kind `K` open now goes silent. It delivers nothing
     /// more and never ends, as a watch does whose connection was lost without the client
     /// noticing (a network cut with no TCP keepalive, a server or proxy that dropped it).

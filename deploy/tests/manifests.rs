@@ -93,6 +93,8 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Cluster, "events.k8s.io", "events", &["create", "patch"]),
     ("podgc", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["get", "list", "watch"]),
+    // fencecsi-driver --mode controller --leader-election — driver/src/leadership.rs
+    ("controller-plugin", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
     ("node", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
     // external-provisioner v6.3 (--leader-election, --enable-capacity
@@ -147,6 +149,7 @@ const COMPONENTS: &[(&str, &str, &str)] = &[
     ("snapshotter", CONTROLLER, "csi-snapshotter"),
     ("health-monitor", CONTROLLER, "csi-health-monitor"),
     ("node", NODE, "fencecsi-driver"),
+    ("controller-plugin", CONTROLLER, "fencecsi-driver"),
 ];
 
 /// (component, source directory, [(file not counted, why)]).
@@ -158,11 +161,17 @@ type CodeDirs = &'static [(
 
 /// Which sources each fencecsi component's cluster calls live in (relative to the repo),
 /// and which files of those directories are not part of the deployed component.
-/// The driver directory is the node plugin's: the controller plugin has no cluster client.
+/// The driver directory is the node plugin's, but for the controller plugin's one cluster
+/// client: its leader election (a single file; a file stands for itself).
 const CODE: CodeDirs = &[
     ("attacher", "attacher/src", &[]),
     ("podgc", "podgc/src", &[]),
-    ("node", "driver/src", &[]),
+    (
+        "node",
+        "driver/src",
+        &[("leadership.rs", "the controller plugin's leader election")],
+    ),
+    ("controller-plugin", "driver/src/leadership.rs", &[]),
 ];
 
 // ---------------------------------------------------------------------------------------
@@ -535,7 +544,9 @@ fn env_read_by_code(bin: &str) -> BTreeSet<String> {
         .join(bin.trim_start_matches("fencecsi-"))
         .join("src");
     let mut names = BTreeSet::new();
-    for f in rust_files(&dir) {
+    // Every binary also runs the shared command-line helpers (the default identity).
+    let shared = repo_root().join("cluster/src/cli.rs");
+    for f in rust_files(&dir).into_iter().chain([shared]) {
         let src = production_source(&read(&f));
         for pat in ["env::var(\"", "env::var_os(\""] {
             for piece in src.split(pat).skip(1) {
@@ -1212,6 +1223,9 @@ const CALL_VERBS: &[(&str, &str)] = &[
 ];
 
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    if dir.is_file() {
+        return vec![dir.to_path_buf()];
+    }
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         let p = e.expect("dir entry").path();
@@ -2282,22 +2296,66 @@ fn probes_hit_the_ports_the_processes_serve() {
     }
 }
 
+/// Two controller plugins never serve the state dir at once, and one fails over in
+/// seconds: several replicas, each plugin elects (the state dir's lock stays the last
+/// word), on a different node where it can, replaced after a short toleration, and no
+/// rollout ever stops the last one before the new one stands by.
+#[test]
+fn the_controller_fails_over_to_a_standby_replica() {
+    let d = controller();
+    let spec = d.spec.clone();
+    assert!(
+        spec.replicas.unwrap_or(1) >= 2,
+        "a standby replica takes over when the leader's node is cut off"
+    );
+    let strategy = spec.strategy.expect("a rollout strategy");
+    if strategy.type_.as_deref() == Some("RollingUpdate") {
+        let ru = strategy.rolling_update.expect("rollingUpdate");
+        assert_eq!(
+            ru.max_unavailable,
+            Some(IntOrString::Int(0)),
+            "a rollout adds the new standby before it stops an old pod"
+        );
+    }
+    let pod = pod_spec_of_deployment(&d);
+    let driver = driver_container(&pod);
+    assert_eq!(
+        flag(driver, "leader-election").as_deref(),
+        Some("true"),
+        "every controller plugin replica elects"
+    );
+    for key in [
+        "node.kubernetes.io/unreachable",
+        "node.kubernetes.io/not-ready",
+    ] {
+        let t = pod
+            .tolerations
+            .iter()
+            .flatten()
+            .find(|t| t.key.as_deref() == Some(key))
+            .unwrap_or_else(|| panic!("a toleration for {key}"));
+        assert!(
+            t.toleration_seconds.is_some_and(|s| s <= 60),
+            "{key}: replaced within a minute, not after the default 300 s"
+        );
+    }
+    let anti = pod
+        .affinity
+        .as_ref()
+        .and_then(|a| a.pod_anti_affinity.as_ref())
+        .expect("replicas spread over nodes");
+    assert!(anti
+        .preferred_during_scheduling_ignored_during_execution
+        .iter()
+        .flatten()
+        .any(|w| w.pod_affinity_term.topology_key == "kubernetes.io/hostname"));
+}
+
 /// On termination every container gets its preStop hook, then SIGTERM, at once. The plugin
 /// must outlive its clients' drain, and the grace period must cover the plugin's own.
 #[test]
 fn shutdown_lets_in_flight_calls_finish() {
     let d = controller();
-    let spec = d.spec.clone();
-    assert_eq!(
-        spec.replicas,
-        Some(1),
-        "the controller plugin must be single"
-    );
-    assert_eq!(
-        spec.strategy.as_ref().and_then(|s| s.type_.as_deref()),
-        Some("Recreate"),
-        "never two controller plugins, not even during a rollout"
-    );
     let pod = pod_spec_of_deployment(&d);
     let grace = pod
         .termination_grace_period_seconds

@@ -245,6 +245,10 @@ pub struct Config {
     #[command(flatten)]
     pub kube: fencecsi_cluster::cli::KubeArgs,
 
+    /// Controller plugin leadership (several replicas, one serving the state dir).
+    #[command(flatten)]
+    pub election: crate::leadership::ElectionArgs,
+
     /// Node-local state: the identity of the state dir this node last saw (node recovery
     /// refuses to act on another one). Must survive plugin restarts and must not lie in
     /// the state dir. Default: <kubelet-dir>/plugins/<driver-name> (the plugin's socket dir).
@@ -300,6 +304,12 @@ impl Config {
         if self.driver_name.is_empty() || self.driver_name.len() > 63 {
             return Err("--driver-name must be 1-63 characters".into());
         }
+        if self.election.enabled && !self.mode.controller() {
+            return Err(
+                "--leader-election is for the controller plugin (--mode controller)".into(),
+            );
+        }
+        self.election.validate()?;
         check_overcommit_ratio(self.overcommit_ratio)
             .map_err(|e| format!("--overcommit-ratio: {e}"))?;
         self.capacity_reserve
@@ -357,6 +367,7 @@ impl Config {
             report_node_clean: false,
             node_name: None,
             kube: Default::default(),
+            election: Default::default(),
             node_state_dir: None,
             state_dir_must_be_mount: false,
             http_endpoint: None,

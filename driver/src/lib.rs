@@ -17,6 +17,7 @@ pub mod fsutil;
 pub mod http;
 pub mod identity;
 pub mod ids;
+pub mod leadership;
 pub mod locks;
 pub mod loopdev;
 pub mod metrics;

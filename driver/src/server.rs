@@ -79,6 +79,11 @@ pub struct ServeHooks {
     /// non-zero `recover_interval`, or always when this is given: then a zero interval
     /// means "at start and on demand").
     pub recovery: Option<tokio::sync::oneshot::Sender<crate::node::recover::RecoveryHandle>>,
+    /// The API server leader election uses (with `--leader-election`); default: the one
+    /// `--kubeconfig` or the in-cluster configuration names.
+    pub leader_cluster: Option<fencecsi_cluster::Cluster>,
+    /// What happens when this controller stops leading; default: the process exits.
+    pub on_lost_leadership: Option<crate::leadership::OnLostLeadership>,
 }
 
 /// What an embedder learns about the plugin's metrics (see [`serve_with_metrics`]).
@@ -112,10 +117,18 @@ pub async fn serve_with_metrics(
         move |source| ServeError::Io { what, source }
     };
 
-    let controller = if cfg.mode.controller() {
-        Some(Controller::open(cfg.clone()).map_err(io("opening controller state"))?)
+    // With leader election, a standby serves only what its sidecars need until it leads.
+    let lease = if cfg.mode.controller() && cfg.election.enabled {
+        Some(crate::leadership::stand_by_until_leading(&cfg, hooks.leader_cluster.take()).await?)
     } else {
         None
+    };
+    let controller = match (&lease, cfg.mode.controller()) {
+        (Some(_), _) => Some(crate::leadership::open_as_leader(&cfg).await?),
+        (None, true) => {
+            Some(Controller::open(cfg.clone()).map_err(io("opening controller state"))?)
+        }
+        (None, false) => None,
     };
     let node = if cfg.mode.node() {
         Some(Node::open(cfg.clone()).map_err(io("starting node plugin"))?)
@@ -201,6 +214,13 @@ pub async fn serve_with_metrics(
     let incoming = tokio_stream::StreamExt::map(UnixListenerStream::new(listener), |conn| {
         conn.map(FixAuthority::new)
     });
+    let leading = lease.map(|h| {
+        crate::leadership::watch_leadership(
+            h,
+            cfg.election.retry_period,
+            hooks.on_lost_leadership.take(),
+        )
+    });
     let result = router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
@@ -211,6 +231,9 @@ pub async fn serve_with_metrics(
     }
     if let Some(c) = owner {
         c.release_ownership();
+    }
+    if let Some(l) = leading {
+        l.step_down().await;
     }
     if let Some(r) = recovery {
         r.abort();

@@ -52,14 +52,9 @@ impl Default for PodGcConfig {
     }
 }
 
-/// `<hostname>-<random>`, as a leader identity must be unique per process.
+/// See [`fencecsi_cluster::cli::default_identity`].
 pub fn default_identity() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "podgc".into());
-    format!("{host}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+    fencecsi_cluster::cli::default_identity("podgc")
 }
 
 impl PodGcConfig {

@@ -55,6 +55,7 @@ impl RecoveringNode {
                 ServeHooks {
                     clean_reporter: Some(r),
                     recovery: Some(rec_tx),
+                    ..Default::default()
                 },
             )
             .await

@@ -38,6 +38,7 @@ impl NodePlugin {
                 ServeHooks {
                     clean_reporter: Some(reporter),
                     recovery: Some(rec_tx),
+                    ..Default::default()
                 },
             )
             .await

@@ -94,11 +94,14 @@ impl OwnerLock {
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let mut holder = String::new();
             let _ = f.read_to_string(&mut holder);
-            return Err(std::io::Error::other(format!(
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                format!(
                 "{} is owned by another running controller plugin (pid {}); only one may serve a state dir",
                 state_dir.display(),
                 holder.trim()
-            )));
+            ),
+            ));
         }
         f.set_len(0)?;
         f.rewind()?;
@@ -214,7 +217,7 @@ impl Controller {
             .map_err(|e| record_error("writing volume metadata", e))
     }
 
-    fn capabilities(extensions: bool, fence: bool) -> Vec<ControllerServiceCapability> {
+    pub(crate) fn capabilities(extensions: bool, fence: bool) -> Vec<ControllerServiceCapability> {
         [
             RpcType::CreateDeleteVolume,
             RpcType::PublishUnpublishVolume,

@@ -1,0 +1,352 @@
+//! Controller plugin leadership: several replicas, one serving the state dir.
+//!
+//! The state dir has one owner at a time (`controller.lock`), and a controller whose node
+//! is cut off still holds it: without more, nothing fails over until that node comes
+//! back. With `--leader-election` a controller plugin serves the state dir only while it
+//! holds a coordination.k8s.io Lease (`cluster::leader`, the client-go algorithm):
+//!
+//! - a standby serves the Identity service and ControllerGetCapabilities (its sidecars
+//!   need them to start and to stay live), and answers every other controller call
+//!   UNAVAILABLE; it opens the state dir only once it leads, waiting (bounded) for the
+//!   ownership lock of a leader that is still exiting;
+//! - a leader that has not renewed its Lease for `--leader-election-renew-deadline` exits
+//!   at once (`LOST_LEADERSHIP_EXIT`): the kernel then drops the ownership lock with the
+//!   process, whatever calls were running (every operation is crash-safe). It needs no
+//!   API server to do so, which it may not reach. The renew deadline is shorter than the
+//!   lease duration, so it is gone before a standby may take the Lease over, and the
+//!   ownership lock stays the last word if it is not.
+//!
+//! So the controller fails over in about `--leader-election-lease-duration` (15 s by
+//! default) after its node is cut off or hangs, plus the standby's start-up pass.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser};
+use fencecsi_cluster::{Cluster, LeaderElectionConfig, LeaderElector, LeaderHandle};
+use fencecsi_proto::v1::controller_server::{Controller as CsiController, ControllerServer};
+use fencecsi_proto::v1::identity_server::IdentityServer;
+use fencecsi_proto::v1::*;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+use crate::config::{parse_duration, Config};
+use crate::controller::Controller;
+use crate::identity::IdentityService;
+use crate::server::{bind, ServeError};
+
+/// The exit code of a leader that lost its Lease.
+pub const LOST_LEADERSHIP_EXIT: i32 = 3;
+
+/// The leader-election flags of the controller plugin. Off unless asked: a plugin without
+/// an API server (local use, csi-sanity) simply owns its state dir.
+#[derive(Debug, Clone, Args)]
+pub struct ElectionArgs {
+    /// Controller plugin: serve the state dir only while holding a Lease (run several
+    /// replicas; a standby takes over once the leader's Lease expires, and a leader that
+    /// cannot renew it exits). Needs an API server (in-cluster config or --kubeconfig).
+    #[arg(long = "leader-election", default_value_t = false,
+          num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub enabled: bool,
+    /// Namespace of the Lease; default: the pod's own (POD_NAMESPACE, else the
+    /// service-account namespace file, else "default").
+    #[arg(long = "leader-election-namespace", env = "POD_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Name of the Lease.
+    #[arg(
+        long = "leader-election-lease-name",
+        default_value = "fencecsi-controller-plugin"
+    )]
+    pub lease_name: String,
+    /// How long a standby waits, after the Lease last changed, before it takes it over.
+    #[arg(long = "leader-election-lease-duration", default_value = "15s", value_parser = parse_duration)]
+    pub lease_duration: Duration,
+    /// How long a leader goes on without a renewal before it exits (below the lease duration).
+    #[arg(long = "leader-election-renew-deadline", default_value = "10s", value_parser = parse_duration)]
+    pub renew_deadline: Duration,
+    /// How often candidates try to take or renew the Lease.
+    #[arg(long = "leader-election-retry-period", default_value = "2s", value_parser = parse_duration)]
+    pub retry_period: Duration,
+    /// This replica's identity in the Lease; default: the pod's name (POD_NAME), else the
+    /// host name and a random suffix.
+    #[arg(long = "identity", env = "POD_NAME")]
+    pub identity: Option<String>,
+}
+
+/// Only for [`ElectionArgs::default`]: the defaults are the flags' own.
+#[derive(Parser)]
+struct DefaultsOnly {
+    #[command(flatten)]
+    election: ElectionArgs,
+}
+
+impl Default for ElectionArgs {
+    fn default() -> Self {
+        DefaultsOnly::parse_from(["fencecsi-driver"]).election
+    }
+}
+
+impl ElectionArgs {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.enabled && self.renew_deadline >= self.lease_duration {
+            return Err(
+                "--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn config(&self) -> LeaderElectionConfig {
+        let ns = self
+            .namespace
+            .clone()
+            .unwrap_or_else(fencecsi_cluster::cli::own_namespace);
+        let identity = self
+            .identity
+            .clone()
+            .unwrap_or_else(|| fencecsi_cluster::cli::default_identity("fencecsi-driver"));
+        LeaderElectionConfig::new(&ns, &self.lease_name, &identity).with_timing(
+            self.lease_duration,
+            self.renew_deadline,
+            self.retry_period,
+        )
+    }
+}
+
+/// What the plugin does when it stops leading; the default exits the process.
+pub type OnLostLeadership = Box<dyn FnOnce() + Send>;
+
+/// Stands by until this replica leads: serves the standby services on the plugin's
+/// socket meanwhile, and stops them (the socket is served again right after, by the
+/// whole plugin). `cluster`: the API server (else `cfg.kube`'s).
+pub async fn stand_by_until_leading(
+    cfg: &Config,
+    cluster: Option<Cluster>,
+) -> Result<LeaderHandle, ServeError> {
+    let cluster = match cluster {
+        Some(c) => c,
+        None => cfg.kube.connect().await.map_err(|e| {
+            ServeError::Config(format!("--leader-election needs an API server: {e}"))
+        })?,
+    };
+    let election = cfg.election.config();
+    let elector = LeaderElector::new(&cluster, election.clone())
+        .map_err(|e| ServeError::Config(format!("leader election: {e}")))?;
+    let mut handle = elector.spawn();
+    let socket = cfg.socket_path().map_err(ServeError::Config)?;
+    tracing::info!(lease = %election.lease_name, namespace = %election.namespace, identity = %election.identity, "standing by: the state dir is served once this replica leads");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = serve_standby(cfg, &socket, stopped)?;
+    handle.wait_for_leadership().await;
+    let _ = stop.send(());
+    server
+        .await
+        .map_err(|e| ServeError::Config(format!("standby server: {e}")))??;
+    tracing::info!(identity = %election.identity, "leading: opening the state dir");
+    Ok(handle)
+}
+
+/// Opens the state dir once this replica leads: a former leader that is still exiting
+/// may hold its ownership lock for a moment, so that is waited for, at most one lease
+/// duration (it has stopped leading a renew deadline before anyone could take over).
+pub async fn open_as_leader(cfg: &Config) -> Result<Arc<Controller>, ServeError> {
+    let deadline = Instant::now() + cfg.election.lease_duration;
+    loop {
+        let c = cfg.clone();
+        let opened = tokio::task::spawn_blocking(move || Controller::open(c))
+            .await
+            .map_err(|e| ServeError::Config(format!("opening controller state: {e}")))?;
+        match opened {
+            Ok(c) => return Ok(c),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                tracing::warn!(error = %e, "leading, but the former leader still owns the state dir; waiting for it to exit");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(source) => {
+                return Err(ServeError::Io {
+                    what: "opening controller state".into(),
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// The Lease of a leading plugin, watched while it serves (see [`watch_leadership`]).
+pub struct Leading {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Leading {
+    /// After a graceful stop (the state dir let go): releases the Lease, so a standby
+    /// takes over at once rather than after the lease duration.
+    pub async fn step_down(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// Watches the Lease while the plugin serves: when this replica stops leading (no
+/// renewal for the renew deadline, judged on the local clock), `lost` runs: by default
+/// the process exits (see the module docs). Looked at four times a retry period, at
+/// most every 250 ms, so the exit follows the deadline by that much at most.
+pub fn watch_leadership(
+    handle: LeaderHandle,
+    retry_period: Duration,
+    lost: Option<OnLostLeadership>,
+) -> Leading {
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let every = (retry_period / 4).min(Duration::from_millis(250));
+    let task = tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = &mut stopped => {
+                    if let Err(e) = handle.shutdown().await {
+                        tracing::warn!(error = %e, "could not release the leader Lease; a standby takes over once it expires");
+                    }
+                    return;
+                }
+                _ = tokio::time::sleep(every) => {}
+            }
+            if !handle.is_leader() {
+                tracing::error!("leadership lost (the Lease was not renewed within the renew deadline): giving up the state dir");
+                match lost {
+                    Some(f) => f(),
+                    None => std::process::exit(LOST_LEADERSHIP_EXIT),
+                }
+                return;
+            }
+        }
+    });
+    Leading { stop, task }
+}
+
+type StandbyServer = tokio::task::JoinHandle<Result<(), ServeError>>;
+
+fn serve_standby(
+    cfg: &Config,
+    socket: &Path,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> Result<StandbyServer, ServeError> {
+    let listener = bind(socket)?;
+    let router = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(IdentityService::new(cfg, None)))
+        .add_service(ControllerServer::new(StandbyController {
+            extensions: cfg.advertise_extensions,
+        }));
+    Ok(tokio::spawn(async move {
+        router
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                let _ = stopped.await;
+            })
+            .await
+            .map_err(ServeError::from)
+    }))
+}
+
+/// The controller service of a standby: capabilities (the fence assumed, since only the
+/// owner of the state dir may probe it: a leader whose probe fails refuses fence requests
+/// with FAILED_PRECONDITION, the safe side), and UNAVAILABLE for everything else.
+struct StandbyController {
+    extensions: crate::config::Extensions,
+}
+
+fn standby<T>() -> Result<Response<T>, Status> {
+    Err(Status::unavailable(
+        "this controller plugin is a standby: another replica leads (leader election)",
+    ))
+}
+
+#[tonic::async_trait]
+impl CsiController for StandbyController {
+    async fn controller_get_capabilities(
+        &self,
+        r: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        let ext = self.extensions.shown(r.metadata());
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities: Controller::capabilities(ext, true),
+        }))
+    }
+    async fn create_volume(
+        &self,
+        _: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        standby()
+    }
+    async fn delete_volume(
+        &self,
+        _: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        standby()
+    }
+    async fn controller_publish_volume(
+        &self,
+        _: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        standby()
+    }
+    async fn controller_unpublish_volume(
+        &self,
+        _: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        standby()
+    }
+    async fn validate_volume_capabilities(
+        &self,
+        _: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        standby()
+    }
+    async fn list_volumes(
+        &self,
+        _: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        standby()
+    }
+    async fn get_capacity(
+        &self,
+        _: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        standby()
+    }
+    async fn create_snapshot(
+        &self,
+        _: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        standby()
+    }
+    async fn delete_snapshot(
+        &self,
+        _: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        standby()
+    }
+    async fn list_snapshots(
+        &self,
+        _: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        standby()
+    }
+    async fn controller_expand_volume(
+        &self,
+        _: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        standby()
+    }
+    async fn controller_get_volume(
+        &self,
+        _: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        standby()
+    }
+    async fn controller_modify_volume(
+        &self,
+        _: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        standby()
+    }
+}
