@@ -1,78 +1,122 @@
-//! Crash points for tests: `hit(name)` aborts the process on the spot when
-//! `name` is listed in the `FENCECSI_FAILPOINTS` environment variable
-//! (comma-separated, read once). Crash tests use it to kill the plugin
-//! between two steps of an RPC deterministically, then check that a restarted
-//! plugin finishes the retried call without doubling anything. Unset (as in
-//! production), every `hit` is one relaxed load and a comparison.
+//! Failpoints: places where a test crashes, stalls, pauses or fails the
+//! plugin on purpose. They exist only with the `failpoints` cargo feature,
+//! which is off by default and which only the test crates turn on: an
+//! environment variable must not be able to abort a production daemon or fake
+//! a failed fence probe. Without the feature (as the production binaries are
+//! built) [`hit`], [`stall`] and [`pause`] are empty and [`is_armed`] is false,
+//! so the call sites stay as they are and cost nothing, nothing reads
+//! `FENCECSI_FAILPOINTS`, and the test-only API (`ENV`, `arm_pause`, `Paused`,
+//! `STALLED_THREAD`) does not exist. tests/tests/failpoints.rs checks the
+//! built binary.
+//!
+//! With the feature:
+//!
+//! Crash points: `hit(name)` aborts the process on the spot when `name` is
+//! listed in the `FENCECSI_FAILPOINTS` environment variable (comma-separated,
+//! read once). Crash tests use it to kill the plugin between two steps of an
+//! RPC deterministically, then check that a restarted plugin finishes the
+//! retried call without doubling anything. `is_armed(name)` reads the same
+//! list, for failures a test simulates without a crash.
 //!
 //! Stall points (`stall(name)`), armed the same way, hold the calling thread
-//! for good and name it [`STALLED_THREAD`], so that a test that runs the real
+//! for good and name it `STALLED_THREAD`, so that a test that runs the real
 //! binary finds the thread in `/proc/<pid>/task/*/comm` and SIGKILLs the
 //! process at that step (a crash where something is held that an abort at a
 //! `hit` would not show, such as a filesystem frozen during a copy).
 //!
 //! Pause points (`pause(name, key)`) hold a call at one step while a test in
 //! the same process interleaves another (race tests); only `arm_pause` from
-//! that process arms one, so in production none ever blocks.
+//! that process arms one.
 
-use std::sync::OnceLock;
+#[cfg(feature = "failpoints")]
+pub use armed::{hit, is_armed, stall, ENV, STALLED_THREAD};
+#[cfg(feature = "failpoints")]
+pub use pausing::{arm as arm_pause, pause, Paused};
 
-pub const ENV: &str = "FENCECSI_FAILPOINTS";
+#[cfg(not(feature = "failpoints"))]
+pub use disarmed::{hit, is_armed, pause, stall};
 
-static ARMED: OnceLock<Vec<String>> = OnceLock::new();
+/// Built without the `failpoints` feature: every point does nothing.
+#[cfg(not(feature = "failpoints"))]
+mod disarmed {
+    #[inline(always)]
+    pub fn hit(_name: &str) {}
 
-fn armed() -> &'static [String] {
-    ARMED.get_or_init(|| {
-        std::env::var(ENV)
-            .map(|v| {
-                v.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect()
-            })
-            .unwrap_or_default()
-    })
+    #[inline(always)]
+    pub fn stall(_name: &str) {}
+
+    #[inline(always)]
+    pub fn is_armed(_name: &str) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub fn pause(_name: &str, _key: &str) {}
 }
 
-/// Aborts the process (no destructors, no socket clean-up: a crash) when
-/// the failpoint `name` is armed.
-pub fn hit(name: &str) {
-    if armed().iter().any(|p| p == name) {
-        eprintln!("fencecsi-driver: failpoint {name} hit: aborting");
-        std::process::abort();
-    }
-}
+/// Crash and stall points, and `is_armed`: armed by `FENCECSI_FAILPOINTS`.
+#[cfg(feature = "failpoints")]
+mod armed {
+    use std::sync::OnceLock;
 
-/// The name (`comm`) a thread held at a stall point takes.
-pub const STALLED_THREAD: &str = "fp-stalled";
+    pub const ENV: &str = "FENCECSI_FAILPOINTS";
 
-/// Holds the calling thread for good (see the module docs) when the stall
-/// point `name` is armed; returns at once otherwise.
-pub fn stall(name: &str) {
-    if !armed().iter().any(|p| p == name) {
-        return;
-    }
-    let comm = std::ffi::CString::new(STALLED_THREAD).expect("no NUL in the name");
-    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
-    unsafe { libc::prctl(libc::PR_SET_NAME, comm.as_ptr(), 0, 0, 0) };
-    eprintln!("fencecsi-driver: stall point {name} reached: this thread waits to be killed");
-    loop {
-        std::thread::sleep(std::time::Duration::from_secs(3600));
-    }
-}
+    static ARMED: OnceLock<Vec<String>> = OnceLock::new();
 
-/// Whether the failpoint `name` is armed, for failures a test simulates
-/// without a crash (e.g. `fence-probe:fail`: the start-up fence probe fails).
-pub fn is_armed(name: &str) -> bool {
-    armed().iter().any(|p| p == name)
+    fn armed() -> &'static [String] {
+        ARMED.get_or_init(|| {
+            std::env::var(ENV)
+                .map(|v| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+    }
+
+    /// Aborts the process (no destructors, no socket clean-up: a crash) when
+    /// the failpoint `name` is armed.
+    pub fn hit(name: &str) {
+        if is_armed(name) {
+            eprintln!("fencecsi-driver: failpoint {name} hit: aborting");
+            std::process::abort();
+        }
+    }
+
+    /// The name (`comm`) a thread held at a stall point takes.
+    pub const STALLED_THREAD: &str = "fp-stalled";
+
+    /// Holds the calling thread for good (see the module docs) when the stall
+    /// point `name` is armed; returns at once otherwise.
+    pub fn stall(name: &str) {
+        if !is_armed(name) {
+            return;
+        }
+        let comm = std::ffi::CString::new(STALLED_THREAD).expect("no NUL in the name");
+        // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+        unsafe { libc::prctl(libc::PR_SET_NAME, comm.as_ptr(), 0, 0, 0) };
+        eprintln!("fencecsi-driver: stall point {name} reached: this thread waits to be killed");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+
+    /// Whether the failpoint `name` is armed, for failures a test simulates
+    /// without a crash (e.g. `fence-probe:fail`: the start-up fence probe fails).
+    pub fn is_armed(name: &str) -> bool {
+        armed().iter().any(|p| p == name)
+    }
 }
 
 /// Pause points for race tests: `pause(name, key)` blocks the calling thread
 /// while a test holds a [`Paused`] armed for the same name and key (in this
 /// process: the test serves the plugin in-process). The key (say, a staging
-/// path) keeps a test from pausing another test's call. Nothing armed (as in
-/// production, where nothing arms one), `pause` is one relaxed load.
+/// path) keeps a test from pausing another test's call. Nothing armed,
+/// `pause` is one relaxed load.
+#[cfg(feature = "failpoints")]
 mod pausing {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Condvar, Mutex};
@@ -165,5 +209,3 @@ mod pausing {
         }
     }
 }
-
-pub use pausing::{arm as arm_pause, pause, Paused};

@@ -331,11 +331,11 @@ pub async fn wait_for_socket(socket: &Path) -> CsiClient {
     }
 }
 
-/// The driver binary built next to the test executable.
-pub fn driver_binary() -> PathBuf {
+/// Where cargo puts the binaries of this build (target/debug): the test
+/// executable's directory, or its parent for one in deps/.
+pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    let dir = exe
-        .parent()
+    exe.parent()
         .and_then(|d| {
             if d.ends_with("deps") {
                 d.parent()
@@ -343,8 +343,18 @@ pub fn driver_binary() -> PathBuf {
                 Some(d)
             }
         })
-        .expect("target dir");
-    let bin = dir.join("fencecsi-driver");
+        .expect("target dir")
+        .to_path_buf()
+}
+
+/// The driver binary to run: the one with failpoints once
+/// [`rig::fresh_driver_binary`] has built it in this process, else the one
+/// built next to the test executable.
+pub fn driver_binary() -> PathBuf {
+    if let Some(bin) = rig::failpoint_driver() {
+        return bin;
+    }
+    let bin = bin_dir().join("fencecsi-driver");
     assert!(
         bin.exists(),
         "{} not built: run `cargo build -p fencecsi-driver` (cargo test --workspace builds it)",

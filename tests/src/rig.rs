@@ -414,23 +414,68 @@ impl Rng {
     }
 }
 
-/// Builds the driver binary once per test process, so that tests running it
-/// (crash tests with failpoints) run the sources under test: `cargo test -p
-/// fencecsi-tests` does not rebuild it by itself.
-pub fn fresh_driver_binary() {
-    static BUILD: std::sync::Once = std::sync::Once::new();
-    BUILD.call_once(|| {
-        let out = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
-            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-            .output()
-            .expect("running cargo build");
-        assert!(
-            out.status.success(),
-            "building fencecsi-driver failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    });
+/// The driver binary [`fresh_driver_binary`] built, once it has.
+static FAILPOINT_DRIVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+pub(crate) fn failpoint_driver() -> Option<PathBuf> {
+    FAILPOINT_DRIVER.get().cloned()
+}
+
+/// Builds the driver binary with the `failpoints` feature once per test
+/// process, so that tests running it (crash tests arm failpoints through
+/// `FENCECSI_FAILPOINTS`) run the sources under test with the failpoints in:
+/// `cargo test -p fencecsi-tests` does not build it by itself, and a plain
+/// `cargo build` leaves the feature off. Returns its path, which
+/// [`crate::driver_binary`] returns from then on.
+///
+/// Cargo puts the binary at target/debug/fencecsi-driver whatever its
+/// features, so a `cargo build -p fencecsi-driver` running meanwhile replaces
+/// it with one without failpoints: the build is hard-linked to a name of its
+/// own, fencecsi-driver-failpoints, once it is seen to hold them.
+pub fn fresh_driver_binary() -> PathBuf {
+    FAILPOINT_DRIVER
+        .get_or_init(|| {
+            let dir = crate::bin_dir();
+            let bin = dir.join("fencecsi-driver-failpoints");
+            let tmp = dir.join(format!("fencecsi-driver-failpoints.{}", std::process::id()));
+            for _ in 0..3 {
+                let out = std::process::Command::new(env!("CARGO"))
+                    .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
+                    .args(["--features", "failpoints"])
+                    .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+                    .output()
+                    .expect("running cargo build");
+                assert!(
+                    out.status.success(),
+                    "building fencecsi-driver failed:\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let _ = std::fs::remove_file(&tmp);
+                std::fs::hard_link(dir.join("fencecsi-driver"), &tmp)
+                    .expect("linking the driver binary");
+                let bytes = std::fs::read(&tmp).expect("reading the driver binary");
+                // failpoint::ENV, which this library (also built without the
+                // feature, for the drill) cannot name.
+                if bytes_contain(&bytes, b"FENCECSI_FAILPOINTS") {
+                    // A rename, not a copy: a copy onto a binary another test
+                    // process runs would fail (ETXTBSY).
+                    std::fs::rename(&tmp, &bin).expect("renaming the driver binary");
+                    return bin;
+                }
+                let _ = std::fs::remove_file(&tmp);
+            }
+            panic!(
+                "{} has no failpoints after 3 builds with them: another build without \
+                 the feature keeps replacing it",
+                dir.join("fencecsi-driver").display()
+            )
+        })
+        .clone()
+}
+
+/// Whether `needle` occurs in `haystack`.
+fn bytes_contain(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// The NodeUnpublishVolumeRequest of `volume_id` at `target`, not forced.

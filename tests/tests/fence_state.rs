@@ -145,7 +145,7 @@ async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
     // A controller whose start-up probe could not prove the fence on its
     // state dir (simulated by a failpoint) must not advertise it, must
     // refuse a fence request saying why, and must change nothing.
-    let mut cmd = Command::new(fencecsi_tests::driver_binary());
+    let mut cmd = Command::new(fencecsi_tests::rig::fresh_driver_binary());
     cmd.env(fencecsi_driver::failpoint::ENV, "fence-probe:fail");
     let mut w = stage_with(&env, cmd).await;
     let mut ask = tonic::Request::new(csi::ControllerGetCapabilitiesRequest {});

@@ -1,0 +1,210 @@
+//! Controller plugin replicas with leader election (`--leader-election`), on the
+//! embedded API server: one serves the state dir; a standby serves only what its
+//! sidecars need (Identity, capabilities) and answers everything else UNAVAILABLE;
+//! a leader that cannot renew its Lease gives up within the renew deadline, with no
+//! API server to ask; the standby then takes over the same state dir and its volumes.
+
+use std::time::{Duration, Instant};
+
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
+use fencecsi_cluster::Cluster;
+use fencecsi_driver::config::{Config, Mode};
+use fencecsi_driver::server::{serve_with, ServeHooks};
+use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::rig::create_request;
+use fencecsi_tests::{csi, mount_cap, require_root, wait_for_socket, Access, Env};
+use tonic::Code;
+
+const NS: &str = "fencecsi";
+const LEASE: Duration = Duration::from_secs(2);
+const RENEW: Duration = Duration::from_millis(1500);
+const RETRY: Duration = Duration::from_millis(200);
+
+/// A controller replica served in this process until `stop` fires; `lost` fires when it
+/// stops leading (in place of the process exit of production).
+struct Replica {
+    client: Option<CsiClient>,
+    socket: std::path::PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    lost: tokio::sync::oneshot::Receiver<Instant>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn replica_config(env: &Env, name: &str) -> Config {
+    let mut cfg = env.config(Mode::Controller, None, name);
+    cfg.election.enabled = true;
+    cfg.election.namespace = Some(NS.into());
+    cfg.election.identity = Some(name.into());
+    cfg.election.lease_duration = LEASE;
+    cfg.election.renew_deadline = RENEW;
+    cfg.election.retry_period = RETRY;
+    cfg
+}
+
+impl Replica {
+    fn start(env: &Env, cluster: &Cluster, name: &str) -> Replica {
+        let cfg = replica_config(env, name);
+        let socket = cfg.socket_path().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (lost_tx, lost) = tokio::sync::oneshot::channel::<Instant>();
+        let hooks = ServeHooks {
+            leader_cluster: Some(cluster.clone()),
+            on_lost_leadership: Some(Box::new(move || {
+                let _ = lost_tx.send(Instant::now());
+            })),
+            ..Default::default()
+        };
+        let task = tokio::spawn(async move {
+            serve_with(
+                cfg,
+                async {
+                    let _ = stopped.await;
+                },
+                hooks,
+            )
+            .await
+            .expect("controller replica");
+        });
+        Replica {
+            client: None,
+            socket,
+            stop: Some(stop),
+            lost,
+            task,
+        }
+    }
+
+    async fn client(&mut self) -> CsiClient {
+        if self.client.is_none() {
+            self.client = Some(wait_for_socket(&self.socket).await);
+        }
+        self.client.clone().unwrap()
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = self.task.await;
+    }
+}
+
+/// Polls `f` until it answers Some; fails with `what` after `secs`.
+async fn eventually<T, F, Fut>(secs: u64, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn create(c: &mut CsiClient, name: &str) -> Result<String, tonic::Status> {
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    c.controller
+        .create_volume(create_request(name, 32 << 20, &cap))
+        .await
+        .map(|r| r.into_inner().volume.unwrap().volume_id)
+}
+
+async fn volume_ids(c: &mut CsiClient) -> Vec<String> {
+    c.controller
+        .list_volumes(csi::ListVolumesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .map(|e| e.volume.unwrap().volume_id)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let cluster = Cluster::embedded();
+
+    let mut a = Replica::start(&env, &cluster, "controller-a");
+    let mut ca = a.client().await;
+    let vol = eventually(10, "replica a leads and serves", || {
+        let mut c = ca.clone();
+        async move { create(&mut c, "pvc-a").await.ok() }
+    })
+    .await;
+
+    // The standby answers its sidecars' start-up calls, and nothing that touches the
+    // state dir (the positive control: the same call on the leader succeeded).
+    let mut b = Replica::start(&env, &cluster, "controller-b");
+    let mut cb = b.client().await;
+    let probe = cb
+        .identity
+        .probe(csi::ProbeRequest {})
+        .await
+        .expect("a standby answers Probe");
+    assert_eq!(probe.into_inner().ready, Some(true));
+    let caps = cb
+        .controller
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .expect("a standby answers ControllerGetCapabilities")
+        .into_inner();
+    assert!(!caps.capabilities.is_empty());
+    let err = create(&mut cb, "pvc-b")
+        .await
+        .expect_err("a standby serves no volume call");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(
+        volume_ids(&mut ca).await,
+        vec![vol.clone()],
+        "a still serves"
+    );
+
+    // The leader's node is cut off: no Lease renewal goes through any more.
+    let cut = Instant::now();
+    cluster.deny::<Lease>(NS);
+    let lost_at = tokio::time::timeout(Duration::from_secs(10), &mut a.lost)
+        .await
+        .expect("the leader gives up within its bound")
+        .unwrap();
+    let gave_up = lost_at - cut;
+    assert!(
+        gave_up <= RENEW + RETRY * 2,
+        "it gave up {gave_up:?} after the cut, past its renew deadline ({RENEW:?})"
+    );
+    // What production does next: the process exits and its ownership lock goes with it.
+    a.stop().await;
+
+    cluster.allow::<Lease>(NS);
+    let healed = Instant::now();
+    let cb2 = cb.clone();
+    eventually(15, "replica b takes over", || {
+        let mut c = cb2.clone();
+        async move { create(&mut c, "pvc-b").await.ok() }
+    })
+    .await;
+    let took = healed.elapsed();
+    eprintln!("leader gave up {gave_up:?} after the cut; the standby served {took:?} after the API server answered again");
+    let ids = volume_ids(&mut cb).await;
+    assert!(ids.contains(&vol), "b serves the volume a created: {ids:?}");
+    assert_eq!(ids.len(), 2);
+
+    for id in ids {
+        cb.controller
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    b.stop().await;
+    env.assert_clean();
+}
