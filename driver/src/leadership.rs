@@ -7,8 +7,8 @@
 //!
 //! - a standby serves the Identity service and ControllerGetCapabilities (its sidecars
 //!   need them to start and to stay live), and answers every other controller call
-//!   UNAVAILABLE; it opens the state dir only once it leads, waiting (bounded) for the
-//!   ownership lock of a leader that is still exiting;
+//!   UNAVAILABLE; it opens the state dir only once it leads, waiting for the ownership
+//!   lock of a former leader that is still exiting (or frozen) for as long as it leads;
 //! - a leader that has not renewed its Lease for `--leader-election-renew-deadline` exits
 //!   at once (`LOST_LEADERSHIP_EXIT`): the kernel then drops the ownership lock with the
 //!   process, whatever calls were running (every operation is crash-safe). It needs no
@@ -17,7 +17,9 @@
 //!   ownership lock stays the last word if it is not.
 //!
 //! So the controller fails over in about `--leader-election-lease-duration` (15 s by
-//! default) after its node is cut off or hangs, plus the standby's start-up pass.
+//! default) after its node is cut off, plus the standby's start-up pass. A leader that is
+//! frozen (a paused node) cannot exit and keeps the state dir's lock until it runs again:
+//! the kernel's lock cannot tell it from a slow one, so that case waits.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -118,13 +120,17 @@ impl ElectionArgs {
 /// What the plugin does when it stops leading; the default exits the process.
 pub type OnLostLeadership = Box<dyn FnOnce() + Send>;
 
-/// Stands by until this replica leads: serves the standby services on the plugin's
-/// socket meanwhile, and stops them (the socket is served again right after, by the
-/// whole plugin). `cluster`: the API server (else `cfg.kube`'s).
-pub async fn stand_by_until_leading(
+/// Stands by until this replica leads and has opened the state dir: serves the standby
+/// services on the plugin's socket meanwhile, and stops them once the state dir is open
+/// (the socket is served again right after, by the whole plugin). A former leader may
+/// still hold the state dir's ownership lock (exiting, or frozen: a paused node keeps
+/// its process and its lock): that is waited for while this replica leads, with the
+/// standby answers; if it stops leading meanwhile, it stands by again.
+/// `cluster`: the API server (else `cfg.kube`'s).
+pub async fn lead(
     cfg: &Config,
     cluster: Option<Cluster>,
-) -> Result<LeaderHandle, ServeError> {
+) -> Result<(LeaderHandle, Arc<Controller>), ServeError> {
     let cluster = match cluster {
         Some(c) => c,
         None => cfg.kube.connect().await.map_err(|e| {
@@ -139,29 +145,43 @@ pub async fn stand_by_until_leading(
     tracing::info!(lease = %election.lease_name, namespace = %election.namespace, identity = %election.identity, "standing by: the state dir is served once this replica leads");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = serve_standby(cfg, &socket, stopped)?;
-    handle.wait_for_leadership().await;
+    let controller = loop {
+        handle.wait_for_leadership().await;
+        tracing::info!(identity = %election.identity, "leading: opening the state dir");
+        if let Some(c) = open_while_leading(cfg, &handle).await? {
+            break c;
+        }
+        tracing::warn!("stopped leading before the state dir could be opened: standing by again");
+    };
     let _ = stop.send(());
     server
         .await
         .map_err(|e| ServeError::Config(format!("standby server: {e}")))??;
-    tracing::info!(identity = %election.identity, "leading: opening the state dir");
-    Ok(handle)
+    Ok((handle, controller))
 }
 
-/// Opens the state dir once this replica leads: a former leader that is still exiting
-/// may hold its ownership lock for a moment, so that is waited for, at most one lease
-/// duration (it has stopped leading a renew deadline before anyone could take over).
-pub async fn open_as_leader(cfg: &Config) -> Result<Arc<Controller>, ServeError> {
-    let deadline = Instant::now() + cfg.election.lease_duration;
-    loop {
+/// Opens the state dir while this replica leads, waiting for a former leader's
+/// ownership lock; None once it no longer leads.
+async fn open_while_leading(
+    cfg: &Config,
+    handle: &LeaderHandle,
+) -> Result<Option<Arc<Controller>>, ServeError> {
+    let start = Instant::now();
+    let mut next_log = start;
+    while handle.is_leader() {
         let c = cfg.clone();
         let opened = tokio::task::spawn_blocking(move || Controller::open(c))
             .await
             .map_err(|e| ServeError::Config(format!("opening controller state: {e}")))?;
         match opened {
-            Ok(c) => return Ok(c),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                tracing::warn!(error = %e, "leading, but the former leader still owns the state dir; waiting for it to exit");
+            Ok(c) => return Ok(Some(c)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // Once, then every lease duration: a former leader that is frozen
+                // keeps the lock until it runs again.
+                if Instant::now() >= next_log {
+                    tracing::warn!(error = %e, waited_s = start.elapsed().as_secs(), "leading, but a former leader still owns the state dir (exiting, or frozen); waiting for it");
+                    next_log += cfg.election.lease_duration;
+                }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
             Err(source) => {
@@ -172,6 +192,7 @@ pub async fn open_as_leader(cfg: &Config) -> Result<Arc<Controller>, ServeError>
             }
         }
     }
+    Ok(None)
 }
 
 /// The Lease of a leading plugin, watched while it serves (see [`watch_leadership`]).

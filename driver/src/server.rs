@@ -118,17 +118,14 @@ pub async fn serve_with_metrics(
     };
 
     // With leader election, a standby serves only what its sidecars need until it leads.
-    let lease = if cfg.mode.controller() && cfg.election.enabled {
-        Some(crate::leadership::stand_by_until_leading(&cfg, hooks.leader_cluster.take()).await?)
+    let (lease, controller) = if cfg.mode.controller() && cfg.election.enabled {
+        let (lease, c) = crate::leadership::lead(&cfg, hooks.leader_cluster.take()).await?;
+        (Some(lease), Some(c))
+    } else if cfg.mode.controller() {
+        let c = Controller::open(cfg.clone()).map_err(io("opening controller state"))?;
+        (None, Some(c))
     } else {
-        None
-    };
-    let controller = match (&lease, cfg.mode.controller()) {
-        (Some(_), _) => Some(crate::leadership::open_as_leader(&cfg).await?),
-        (None, true) => {
-            Some(Controller::open(cfg.clone()).map_err(io("opening controller state"))?)
-        }
-        (None, false) => None,
+        (None, None)
     };
     let node = if cfg.mode.node() {
         Some(Node::open(cfg.clone()).map_err(io("starting node plugin"))?)

@@ -179,10 +179,34 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
         gave_up <= RENEW + RETRY * 2,
         "it gave up {gave_up:?} after the cut, past its renew deadline ({RENEW:?})"
     );
-    // What production does next: the process exits and its ownership lock goes with it.
-    a.stop().await;
-
+    // Here A does not exit (as a frozen process would not): B gets the Lease but not the
+    // state dir, and waits for it as a standby rather than giving up.
     cluster.allow::<Lease>(NS);
+    eventually(15, "replica b takes the Lease", || {
+        let c = cluster.clone();
+        async move {
+            let l = c
+                .api::<Lease>(Some(NS))
+                .get("fencecsi-controller-plugin")
+                .await
+                .ok()?;
+            let holder = l.spec?.holder_identity?;
+            (holder == "controller-b").then_some(())
+        }
+    })
+    .await;
+    tokio::time::sleep(LEASE).await;
+    let err = create(&mut cb, "pvc-b")
+        .await
+        .expect_err("A still owns the state dir");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(
+        !b.task.is_finished(),
+        "b waits for the state dir, it does not give up"
+    );
+    // What production does at the cut: the process exits and its ownership lock goes
+    // with it.
+    a.stop().await;
     let healed = Instant::now();
     let cb2 = cb.clone();
     eventually(15, "replica b takes over", || {
@@ -191,7 +215,7 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     })
     .await;
     let took = healed.elapsed();
-    eprintln!("leader gave up {gave_up:?} after the cut; the standby served {took:?} after the API server answered again");
+    eprintln!("leader gave up {gave_up:?} after the cut; the standby served {took:?} after the former leader let go of the state dir");
     let ids = volume_ids(&mut cb).await;
     assert!(ids.contains(&vol), "b serves the volume a created: {ids:?}");
     assert_eq!(ids.len(), 2);

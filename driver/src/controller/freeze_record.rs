@@ -116,19 +116,27 @@ impl RecordFiles {
             now_nanos(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         );
+        // Locked under a temporary name, then renamed into place: a lock file a
+        // recovery pass can see is always held, so it never takes a live
+        // operation's lock file for a stray and removes it.
         let lock_path = dir.join(format!("{op}.lock"));
+        let fresh = dir.join(format!(".{op}.lock.tmp-new"));
         let lock = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(&lock_path)?;
-        if let Err(e) = lock.try_lock() {
-            let _ = std::fs::remove_file(&lock_path);
-            return Err(match e {
+            .open(&fresh)?;
+        let locked = lock
+            .try_lock()
+            .map_err(|e| match e {
                 std::fs::TryLockError::Error(e) => e,
                 std::fs::TryLockError::WouldBlock => io::ErrorKind::WouldBlock.into(),
-            });
+            })
+            .and_then(|()| std::fs::rename(&fresh, &lock_path));
+        if let Err(e) = locked {
+            let _ = std::fs::remove_file(&fresh);
+            return Err(e);
         }
         Ok(RecordFiles {
             json: dir.join(format!("{op}.json")),
@@ -183,11 +191,12 @@ fn thaw_recorded(fs: &FrozenFs) -> io::Result<Thaw> {
     let table = mounts::mounts().map_err(io::Error::other)?;
     let dev = libc::makedev(fs.major, fs.minor);
     for r in &fs.mounts {
-        let still = table.iter().any(|m| {
-            m.mount_id == r.id
-                && m.mount_point == r.path
-                && (m.major, m.minor) == (fs.major, fs.minor)
-        });
+        // By path and device, not by mount ID: a restarted controller may look
+        // from another mount namespace, where the same mount has another ID. The
+        // opened directory's st_dev below makes sure it is the same superblock.
+        let still = table
+            .iter()
+            .any(|m| m.mount_point == r.path && (m.major, m.minor) == (fs.major, fs.minor));
         if !still {
             continue;
         }
@@ -350,6 +359,36 @@ mod tests {
     /// A record is settled only once its operation's lock is free; a record
     /// naming mounts that no longer exist is removed without thawing anything,
     /// and so are stray lock files and (at start) temp files.
+    /// A lock file a recovery pass can see is always held: it is locked under a
+    /// temporary name first (a pass that found it unlocked would remove it as a
+    /// stray, and later take the live operation for a dead one).
+    #[test]
+    fn an_operations_lock_file_is_held_from_the_moment_it_is_seen() {
+        let state = tempfile::tempdir().unwrap();
+        let files = RecordFiles::create(state.path()).unwrap();
+        let names: Vec<String> = std::fs::read_dir(state.path().join(FREEZES_DIR))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 1, "only the lock file: {names:?}");
+        assert!(names[0].ends_with(".lock"), "{names:?}");
+        assert!(
+            matches!(try_lock(&files.lock_path), Ok(None)),
+            "held by the live operation"
+        );
+        thaw_leftovers(state.path(), false);
+        assert!(
+            files.lock_path.exists(),
+            "a pass leaves a live lock file alone"
+        );
+        // Control: once the operation is gone, the pass removes it.
+        let lock = files.lock_path.clone();
+        drop(files);
+        thaw_leftovers(state.path(), false);
+        assert!(!lock.exists());
+    }
+
     #[test]
     fn records_of_live_operations_are_left_alone() {
         let state = tempfile::tempdir().unwrap();

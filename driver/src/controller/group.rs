@@ -35,7 +35,6 @@ use crate::backend::Backend;
 use crate::error::{CsiError, CsiResult};
 use crate::fsops::CloneKind;
 use crate::ids::{check_token, Parsed, SnapshotId, VolumeId};
-use crate::rpc::blocking;
 
 const GROUP_PREFIX: &str = "group-";
 
@@ -400,8 +399,7 @@ impl CsiGroupController for GroupControllerService {
         &self,
         r: Request<CreateVolumeGroupSnapshotRequest>,
     ) -> Result<Response<CreateVolumeGroupSnapshotResponse>, Status> {
-        let c = self.0.clone();
-        blocking("CreateVolumeGroupSnapshot", move || {
+        super::owned_call(&self.0, "CreateVolumeGroupSnapshot", move |c| {
             c.create_group_snapshot(r.into_inner())
         })
         .await
@@ -410,8 +408,7 @@ impl CsiGroupController for GroupControllerService {
         &self,
         r: Request<DeleteVolumeGroupSnapshotRequest>,
     ) -> Result<Response<DeleteVolumeGroupSnapshotResponse>, Status> {
-        let c = self.0.clone();
-        blocking("DeleteVolumeGroupSnapshot", move || {
+        super::owned_call(&self.0, "DeleteVolumeGroupSnapshot", move |c| {
             c.delete_group_snapshot(r.into_inner())
         })
         .await
@@ -420,8 +417,7 @@ impl CsiGroupController for GroupControllerService {
         &self,
         r: Request<GetVolumeGroupSnapshotRequest>,
     ) -> Result<Response<GetVolumeGroupSnapshotResponse>, Status> {
-        let c = self.0.clone();
-        blocking("GetVolumeGroupSnapshot", move || {
+        super::owned_call(&self.0, "GetVolumeGroupSnapshot", move |c| {
             c.get_group_snapshot(r.into_inner())
         })
         .await

@@ -262,20 +262,29 @@ pub(crate) fn record_error(what: &str, e: crate::backend::meta::RecordError) -> 
 pub struct ControllerService(pub Arc<Controller>);
 
 impl ControllerService {
-    /// Runs an RPC's body on the blocking pool holding the state dir's
-    /// ownership lock (see [`Controller::hold_ownership`]).
     async fn call<T: Send + 'static>(
         &self,
         rpc: &'static str,
         f: impl FnOnce(&Controller) -> CsiResult<T> + Send + 'static,
     ) -> Result<Response<T>, Status> {
-        let c = self.0.clone();
-        blocking(rpc, move || {
-            let _owner = c.hold_ownership()?;
-            f(&c)
-        })
-        .await
+        owned_call(&self.0, rpc, f).await
     }
+}
+
+/// Runs a controller RPC's body (controller and group controller services) on the
+/// blocking pool, holding the state dir's ownership lock for as long as the body runs
+/// (see [`Controller::hold_ownership`]).
+pub(crate) async fn owned_call<T: Send + 'static>(
+    c: &Arc<Controller>,
+    rpc: &'static str,
+    f: impl FnOnce(&Controller) -> CsiResult<T> + Send + 'static,
+) -> Result<Response<T>, Status> {
+    let c = c.clone();
+    blocking(rpc, move || {
+        let _owner = c.hold_ownership()?;
+        f(&c)
+    })
+    .await
 }
 
 #[tonic::async_trait]

@@ -110,6 +110,9 @@ enum Phase {
     Thawed,
     /// Thawed by the watchdog: the bound passed before the copy read its source.
     Expired,
+    /// Thawed by someone else (FITHAW answered EINVAL) before the copy had read its
+    /// source: writers may have run during the copy.
+    Interrupted,
 }
 
 struct Hold {
@@ -131,14 +134,17 @@ impl Hold {
     }
 
     /// Thaws every filesystem frozen, then removes the record (kept, naming
-    /// what could not be thawed, for the next pass when a thaw fails).
-    fn thaw_all(&mut self, why: &str) {
+    /// what could not be thawed, for the next pass when a thaw fails). True when
+    /// someone else had thawed one of them already.
+    fn thaw_all(&mut self, why: &str) -> bool {
         let mut failed = Vec::new();
+        let mut thawed_by_others = false;
         let n = self.frozen.len();
         for (dir, path, fs) in self.frozen.drain(..) {
             match ioctl_on(&dir, FITHAW) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    thawed_by_others = true;
                     tracing::warn!(mount = %path.display(), "a filesystem frozen for a copy was thawed by someone else before the copy ended")
                 }
                 Err(e) => {
@@ -159,19 +165,19 @@ impl Hold {
                 "filesystems thawed"
             );
         }
-        let Some(files) = self.files.take() else {
-            return;
-        };
-        let result = if failed.is_empty() {
-            files.remove()
-        } else {
-            let mut rec = self.record.clone().expect("a record with its files");
-            rec.filesystems = failed;
-            files.write(&rec) // the lock goes with `files`: the next pass retries
-        };
-        if let Err(e) = result {
-            tracing::warn!(error = %e, "cannot update a freeze record after the thaw; the next recovery pass settles it");
+        if let Some(files) = self.files.take() {
+            let result = if failed.is_empty() {
+                files.remove()
+            } else {
+                let mut rec = self.record.clone().expect("a record with its files");
+                rec.filesystems = failed;
+                files.write(&rec) // the lock goes with `files`: the next pass retries
+            };
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "cannot update a freeze record after the thaw; the next recovery pass settles it");
+            }
         }
+        thawed_by_others
     }
 }
 
@@ -250,7 +256,11 @@ impl Drop for Quiesced {
             if h.phase == Phase::Frozen {
                 h.thaw_all("the copy ended");
                 h.phase = Phase::Thawed;
-            } else if let Some(files) = h.files.take() {
+            } else if h.phase == Phase::Idle {
+                // The watchdog of a freeze that never happened ends too.
+                h.phase = Phase::Thawed;
+            }
+            if let Some(files) = h.files.take() {
                 // An error before anything was frozen: the record names nothing of ours.
                 if let Err(e) = files.remove() {
                     tracing::warn!(error = %e, "cannot remove a freeze record; the next recovery pass settles it");
@@ -280,12 +290,16 @@ impl SourceWindow for Window<'_> {
     fn close(&self) -> bool {
         let mut h = self.q.shared.lock();
         match h.phase {
-            Phase::Expired => false,
+            Phase::Expired | Phase::Interrupted => false,
             Phase::Frozen if self.last => {
-                h.thaw_all("the copy has read its source");
-                h.phase = Phase::Thawed;
+                let others = h.thaw_all("the copy has read its source");
+                h.phase = if others {
+                    Phase::Interrupted
+                } else {
+                    Phase::Thawed
+                };
                 self.q.shared.cv.notify_all();
-                true
+                !others
             }
             _ => true,
         }
@@ -319,9 +333,13 @@ impl Quiesced {
         Window { q: self, last }
     }
 
-    /// Whether the bound passed before the copy had read its source.
+    /// Whether the writers were let go before the copy had read its source: the
+    /// bound passed, or someone else thawed a filesystem.
     pub(crate) fn expired(&self) -> bool {
-        self.shared.lock().phase == Phase::Expired
+        matches!(
+            self.shared.lock().phase,
+            Phase::Expired | Phase::Interrupted
+        )
     }
 
     /// Thaws everything when the bound passes while still frozen.
@@ -333,7 +351,9 @@ impl Quiesced {
             .spawn(move || {
                 let mut h = shared.lock();
                 let deadline = h.since.unwrap_or_else(Instant::now) + bound;
-                while h.phase == Phase::Frozen {
+                // From before the first FIFREEZE: one that takes long (its sync) or
+                // hangs must not keep the members frozen before it past the bound.
+                while matches!(h.phase, Phase::Idle | Phase::Frozen) {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         tracing::warn!(bound_s = bound.as_secs_f64(), "the copy did not read its source within --max-freeze: its writers are let go and the copy will be refused");
@@ -360,6 +380,11 @@ impl Quiesced {
 
     /// The refusal of a copy whose writers were let go before it had read its source.
     pub(crate) fn expiry_refusal(&self, id: &VolumeId) -> CsiError {
+        if self.shared.lock().phase == Phase::Interrupted {
+            return CsiError::FailedPrecondition(format!(
+                "volume {id}: a filesystem frozen for the copy was thawed by someone else (FITHAW found it not frozen) before the copy had read the volume: its writers may have run during the copy, which is discarded since it would not be point-in-time; retry"
+            ));
+        }
         CsiError::FailedPrecondition(format!(
             "volume {id}: the copy had not read the volume within --max-freeze ({:?}), the longest its writers are kept frozen; they were let go, and the copy is discarded since it would not be point-in-time. On this state dir's filesystem ({}) a copy of a volume in use is a full copy under the freeze: copy it when it is not in use, raise --max-freeze, or keep the state dir on xfs or btrfs, where the freeze lasts one reflink",
             self.bound,
@@ -539,6 +564,7 @@ impl Controller {
             });
             h.since = Some(Instant::now());
         }
+        q.start_watchdog();
         for p in plan {
             let (id, gen) = (&members[p.member].0, members[p.member].1);
             let dir = File::open(&p.mount)
@@ -560,6 +586,12 @@ impl Controller {
                 Ok(()) => {
                     tracing::info!(volume = %id, generation = gen, mount = %p.mount.display(), "filesystem frozen for a point-in-time copy");
                     h.frozen.push((dir, p.mount, p.fs));
+                    if h.phase == Phase::Expired {
+                        // The bound passed while this FIFREEZE ran.
+                        h.thaw_all("the freeze bound passed");
+                        drop(h);
+                        return Err(q.expiry_refusal(id));
+                    }
                     h.phase = Phase::Frozen;
                     continue;
                 }
@@ -594,7 +626,7 @@ impl Controller {
                 },
             ));
         }
-        let frozen = {
+        {
             let mut h = q.shared.lock();
             if h.frozen.is_empty() {
                 if let Some(files) = h.files.take() {
@@ -602,13 +634,12 @@ impl Controller {
                         tracing::warn!(error = %e, "cannot remove an empty freeze record; the next pass does");
                     }
                 }
-                false
-            } else {
-                true
+                if h.phase == Phase::Idle {
+                    // Nothing was frozen: the watchdog has nothing to bound.
+                    h.phase = Phase::Thawed;
+                    q.shared.cv.notify_all();
+                }
             }
-        };
-        if frozen {
-            q.start_watchdog();
         }
         running.sort_by_key(|(i, _)| *i);
         Ok(running)
@@ -710,6 +741,47 @@ mod tests {
         assert!(quiesced(false)
             .refuse_torn(&id, CloneKind::SparseCopy)
             .is_ok());
+    }
+
+    /// A filesystem someone else thawed during the copy (FITHAW answers EINVAL:
+    /// not frozen) means its writers may have run: the copy is refused with that
+    /// reason. Control: the same close with nothing thawed behind its back.
+    #[test]
+    fn a_copy_whose_filesystem_someone_else_thawed_is_refused() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("SKIP: FITHAW needs root");
+            return;
+        }
+        let id = VolumeId::generate();
+        let dir = tempfile::tempdir().unwrap();
+        let q = quiesced(false);
+        {
+            let mut h = q.shared.lock();
+            // A mount that is not frozen stands for one someone else thawed.
+            h.frozen.push((
+                File::open(dir.path()).unwrap(),
+                dir.path().to_path_buf(),
+                FrozenFs {
+                    volume: id.to_string(),
+                    generation: 1,
+                    device: "/dev/loop-none".into(),
+                    major: 0,
+                    minor: 0,
+                    mounts: Vec::new(),
+                },
+            ));
+            h.phase = Phase::Frozen;
+        }
+        assert!(!q.window(true).close(), "the copy's window was not held");
+        let e = q.refuse_torn(&id, CloneKind::Reflink).unwrap_err();
+        assert!(
+            matches!(&e, CsiError::FailedPrecondition(m) if m.contains("thawed by someone else")),
+            "{e:?}"
+        );
+        let control = quiesced(false);
+        control.shared.lock().phase = Phase::Frozen;
+        assert!(control.window(true).close());
+        assert!(control.refuse_torn(&id, CloneKind::SparseCopy).is_ok());
     }
 
     /// A copy whose writers the watchdog let go is refused whatever it made,

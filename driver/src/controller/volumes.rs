@@ -679,14 +679,18 @@ impl Controller {
         if let Some(cap) = &req.volume_capability {
             capability::parse(cap)?;
         }
-        // Until the devices are widened: a stage either attached before (and
-        // is widened below) or reads the grown record (and attaches it whole).
-        let _publish_lock = PublishLock::take_for_rpc(
-            &self.cfg.state_dir,
-            &id,
-            true,
-            "growing the volume's attached devices",
-        )?;
+        // From the record's growth until the devices are widened: a stage either
+        // attached before (and is widened below) or reads the grown record (and
+        // attaches it whole). Taken after the capacity guard, as snapshots do.
+        let publish_lock = || {
+            PublishLock::take_for_rpc(
+                &self.cfg.state_dir,
+                &id,
+                true,
+                "growing the volume's attached devices",
+            )
+        };
+        let mut _stage_lock = None;
         let size = size_for(Some(range), v.capacity_bytes, self.largest_volume()?)?;
         if size > v.capacity_bytes {
             // A fenced current generation is immutable; the clone made at the
@@ -735,6 +739,7 @@ impl Controller {
                 growth,
                 &format!("growing volume {id} from {old} to {size} bytes"),
             )?;
+            _stage_lock = Some(publish_lock()?);
             if writable {
                 self.backend.grow(&id, gen, from, size)?;
                 crate::failpoint::hit("expand:after-grow");
@@ -753,6 +758,9 @@ impl Controller {
             && !self.backend.fence_marked(&id, gen)
             && self.backend.generation_exists(&id, gen)
         {
+            if _stage_lock.is_none() {
+                _stage_lock = Some(publish_lock()?);
+            }
             let widened = self
                 .backend
                 .widen(&id, gen, v.data_bytes(gen))

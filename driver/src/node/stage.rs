@@ -295,12 +295,21 @@ impl Node {
         lo: &LoopInfo,
         data_bytes: u64,
     ) -> CsiResult<()> {
-        if lo.read_only || !fenced_whole(image) {
+        // The path may also name another inode by now: a fence that did not wait
+        // for this attach, a publish elsewhere and a collection of the released
+        // generation (its image and marker gone) may all have happened meanwhile.
+        let same_inode = crate::fsops::dev_ino(image)
+            .is_ok_and(|(dev, ino)| (dev, ino) == (lo.backing_dev, lo.backing_ino));
+        if lo.read_only || (same_inode && !fenced_whole(image)) {
             return Ok(());
         }
+        // An image gone from its path holds nothing anyone will read again: the
+        // device is only released.
         let mine = |l: &LoopInfo| l.device == lo.device;
-        if let Err(e) = crate::fence::fence_devices(image, data_bytes, &mine) {
-            tracing::error!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not fence this node's device on a fenced generation");
+        if same_inode {
+            if let Err(e) = crate::fence::fence_devices(image, data_bytes, &mine) {
+                tracing::error!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not fence this node's device on a fenced generation");
+            }
         }
         if let Err(e) = loopdev::detach(&lo.device) {
             tracing::warn!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not release this node's device on a fenced generation");
