@@ -2318,7 +2318,10 @@ fn the_controller_is_replaced_in_about_a_minute_and_never_doubled() {
         Some("true"),
         "the plugin elects, so one cut off gives the state dir up"
     );
-    for key in ["node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"] {
+    for key in [
+        "node.kubernetes.io/unreachable",
+        "node.kubernetes.io/not-ready",
+    ] {
         let t = pod
             .tolerations
             .iter()
