@@ -290,6 +290,19 @@ impl Rig {
         .map(|_| ())
     }
 
+    /// DeleteSnapshot of `snapshot_id`, which must succeed.
+    pub async fn delete_snapshot(&self, snapshot_id: String) {
+        self.controller
+            .clone()
+            .controller
+            .delete_snapshot(csi::DeleteSnapshotRequest {
+                snapshot_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+
     /// ControllerGetVolume's status of `volume_id` (its condition, its nodes).
     pub async fn volume_status(
         &self,

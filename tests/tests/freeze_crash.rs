@@ -153,18 +153,6 @@ fn snapshot(
     }
 }
 
-async fn delete_snapshot(rig: &Rig, snapshot_id: String) {
-    rig.controller
-        .clone()
-        .controller
-        .delete_snapshot(csi::DeleteSnapshotRequest {
-            snapshot_id,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-}
-
 /// Whether a thread of `pid` waits at a stall point.
 fn stalled(pid: u32) -> bool {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -341,7 +329,7 @@ async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
     );
     rig.detach_and_delete(&r).await.unwrap();
     rig.detach_and_delete(&p).await.unwrap();
-    delete_snapshot(&rig, snap.snapshot_id).await;
+    rig.delete_snapshot(snap.snapshot_id).await;
     drop(restarted);
     rig.stop().await;
     env.assert_clean();
@@ -395,7 +383,7 @@ async fn a_filesystem_someone_else_froze_is_refused_as_such_and_left_to_them() {
     let snap = snapshot(rig.controller.clone(), "snap", &vol)
         .await
         .expect("a snapshot once thawed");
-    delete_snapshot(&rig, snap.snapshot_id).await;
+    rig.delete_snapshot(snap.snapshot_id).await;
     rig.detach_and_delete(&p).await.unwrap();
     rig.stop().await;
     env.assert_clean();

@@ -115,18 +115,6 @@ async fn snapshot(rig: &Rig, name: &str, vol: &str) -> Result<csi::Snapshot, ton
         .map(|r| r.into_inner().snapshot.unwrap())
 }
 
-async fn delete_snapshot(rig: &Rig, snapshot_id: String) {
-    rig.controller
-        .clone()
-        .controller
-        .delete_snapshot(csi::DeleteSnapshotRequest {
-            snapshot_id,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-}
-
 /// Attaches a copy's data read-only on a loop device of this test.
 struct ReadOnly(PathBuf);
 impl ReadOnly {
@@ -256,10 +244,10 @@ async fn live(backing: &str) {
         let s = got.expect("a reflink copy of raw block in use");
         let bytes = std::fs::read(snaps_dir.join(&s.snapshot_id).join("data.img")).unwrap();
         assert_block_one_instant(&bytes, before, backing, "snapshot");
-        delete_snapshot(&rig, s.snapshot_id).await;
+        rig.delete_snapshot(s.snapshot_id).await;
     }
     rig.detach_and_delete(&b).await.unwrap();
-    delete_snapshot(&rig, snap.snapshot_id).await;
+    rig.delete_snapshot(snap.snapshot_id).await;
     rig.delete(&vol.volume_id).await.unwrap();
     rig.stop().await;
     env.assert_clean();
@@ -485,7 +473,7 @@ async fn a_stage_waits_for_a_snapshot_being_copied() {
         .await
         .unwrap();
     rig.unpublish(&vol, "node-a", false).await.unwrap();
-    delete_snapshot(&rig, snap.snapshot_id).await;
+    rig.delete_snapshot(snap.snapshot_id).await;
     rig.delete(&vol).await.unwrap();
     rig.stop().await;
     env.assert_clean();
