@@ -82,7 +82,6 @@ pub(crate) struct OwnerLock {
 impl OwnerLock {
     fn acquire(state_dir: &std::path::Path) -> std::io::Result<Self> {
         use std::io::{Read, Seek, Write};
-        use std::os::fd::AsRawFd;
         let path = state_dir.join("controller.lock");
         let mut f = std::fs::OpenOptions::new()
             .read(true)
@@ -90,18 +89,21 @@ impl OwnerLock {
             .create(true)
             .truncate(false)
             .open(&path)?;
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let mut holder = String::new();
-            let _ = f.read_to_string(&mut holder);
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::WouldBlock,
-                format!(
-                "{} is owned by another running controller plugin (pid {}); only one may serve a state dir",
-                state_dir.display(),
-                holder.trim()
-            ),
-            ));
+        match f.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = f.read_to_string(&mut holder);
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    format!(
+                        "{} is owned by another running controller plugin (pid {}); only one may serve a state dir",
+                        state_dir.display(),
+                        holder.trim()
+                    ),
+                ));
+            }
         }
         f.set_len(0)?;
         f.rewind()?;
