@@ -78,6 +78,23 @@ impl Rig {
         tweak(&mut cfg);
         let (p, controller) = InProcess::start(cfg).await;
         plugins.push(p);
+        let (nodes, node_plugins) = Self::node_plugins(env, nodes, &tweak).await;
+        plugins.extend(node_plugins);
+        Rig {
+            controller,
+            nodes,
+            plugins,
+            own_controller: true,
+        }
+    }
+
+    /// One node plugin in this process per name, each configuration adjusted first.
+    async fn node_plugins(
+        env: &Env,
+        nodes: &[&str],
+        tweak: &dyn Fn(&mut fencecsi_driver::config::Config),
+    ) -> (HashMap<String, CsiClient>, Vec<InProcess>) {
+        let mut plugins = Vec::new();
         let mut clients = HashMap::new();
         for n in nodes {
             let mut cfg = env.config(Mode::Node, Some(n), &format!("node-{n}"));
@@ -86,29 +103,17 @@ impl Rig {
             plugins.push(p);
             clients.insert(n.to_string(), c);
         }
-        Rig {
-            controller,
-            nodes: clients,
-            plugins,
-            own_controller: true,
-        }
+        (clients, plugins)
     }
 
     /// Node plugins in this process for `nodes`, with a controller served
     /// elsewhere (say, a driver process a test kills and restarts: it sets
     /// [`Rig::controller`] to the new one's client itself).
     pub async fn start_nodes(env: &Env, nodes: &[&str], controller: CsiClient) -> Rig {
-        let mut plugins = Vec::new();
-        let mut clients = HashMap::new();
-        for n in nodes {
-            let (p, c) =
-                InProcess::start(env.config(Mode::Node, Some(n), &format!("node-{n}"))).await;
-            plugins.push(p);
-            clients.insert(n.to_string(), c);
-        }
+        let (nodes, plugins) = Self::node_plugins(env, nodes, &|_| {}).await;
         Rig {
             controller,
-            nodes: clients,
+            nodes,
             plugins,
             own_controller: false,
         }
@@ -326,6 +331,19 @@ impl Rig {
             p.stop().await;
         }
     }
+}
+
+/// The IDs ListVolumes answers (one page).
+pub async fn volume_ids(ctl: &mut CsiClient) -> std::collections::BTreeSet<String> {
+    ctl.controller
+        .list_volumes(csi::ListVolumesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .filter_map(|e| e.volume.map(|v| v.volume_id))
+        .collect()
 }
 
 /// The CreateVolumeRequest fields every create sets: `size` bytes of `cap`.

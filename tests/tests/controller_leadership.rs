@@ -11,7 +11,7 @@ use fencecsi_cluster::Cluster;
 use fencecsi_driver::config::{Config, Mode};
 use fencecsi_driver::server::{serve_with, ServeHooks};
 use fencecsi_proto::client::CsiClient;
-use fencecsi_tests::rig::create_request;
+use fencecsi_tests::rig::{create_request, volume_ids};
 use fencecsi_tests::{csi, mount_cap, require_root, wait_for_socket, Access, Env};
 use tonic::Code;
 
@@ -113,18 +113,6 @@ async fn create(c: &mut CsiClient, name: &str) -> Result<String, tonic::Status> 
         .map(|r| r.into_inner().volume.unwrap().volume_id)
 }
 
-async fn volume_ids(c: &mut CsiClient) -> Vec<String> {
-    c.controller
-        .list_volumes(csi::ListVolumesRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .entries
-        .into_iter()
-        .map(|e| e.volume.unwrap().volume_id)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     require_root!();
@@ -163,7 +151,7 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert_eq!(
         volume_ids(&mut ca).await,
-        vec![vol.clone()],
+        [vol.clone()].into(),
         "a still serves"
     );
 

@@ -4,7 +4,7 @@
 //! device and one mount, and teardown through the RPCs leaves nothing. Also:
 //! SIGTERM removes the socket and leaves staged volumes mounted.
 
-use fencecsi_tests::rig::fresh_driver_binary;
+use fencecsi_tests::rig::{fresh_driver_binary, volume_ids};
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -472,18 +472,6 @@ enum CtlOp {
     Delete,
     Snapshot,
     DeleteSnapshot,
-}
-
-async fn volume_ids(ctl: &mut CsiClient) -> std::collections::BTreeSet<String> {
-    ctl.controller
-        .list_volumes(csi::ListVolumesRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .entries
-        .into_iter()
-        .filter_map(|e| e.volume.map(|v| v.volume_id))
-        .collect()
 }
 
 async fn snapshot_ids(ctl: &mut CsiClient) -> std::collections::BTreeSet<String> {

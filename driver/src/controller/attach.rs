@@ -620,33 +620,43 @@ impl Controller {
     /// Fences again first what [`Controller::complete_fence`] finds.
     pub fn collect_garbage(&self) -> usize {
         self.thaw_leftover_freezes();
-        self.fence_late_strays();
         let mut removed = 0;
-        // One scan of the loop devices per pass, and none when nothing is
-        // fenced. A generation that looks released is checked again fresh
-        // before anything is lifted or deleted (remove_generation re-checks too).
-        // In memory only: a fence marker without its record is left by a
-        // crash, and the start-up pass (`complete_fences`) handles those.
+        // One scan of the loop devices per pass, shared by the stray check and
+        // the collection, and none when nothing is published or fenced. A
+        // generation that looks released is checked again fresh before anything
+        // is lifted or deleted (remove_generation re-checks too). In memory
+        // only: a fence marker without its record is left by a crash, and the
+        // start-up pass (`complete_fences`) handles those.
         let pending = |v: &VolumeMeta| {
             !v.fenced_from.is_empty() || v.generations.values().any(|g| g.fenced_at.is_some())
         };
-        let volumes: Vec<VolumeMeta> = self.store.volumes().into_iter().filter(pending).collect();
-        if volumes.is_empty() {
+        let records = self.store.volumes();
+        let published: Vec<VolumeId> = records
+            .iter()
+            .filter(|v| !v.attachments.is_empty() && !v.current_is_fenced())
+            .map(VolumeMeta::volume_id)
+            .collect();
+        let volumes: Vec<VolumeId> = records
+            .iter()
+            .filter(|v| pending(v))
+            .map(VolumeMeta::volume_id)
+            .collect();
+        if published.is_empty() && volumes.is_empty() {
             return 0;
         }
         let snapshot = match self.backend.holder_snapshot() {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot list holders; garbage collection skipped");
+                tracing::warn!(error = %e, "cannot list holders; this garbage collection pass skipped");
                 return 0;
             }
         };
+        self.fence_late_strays(&published, &snapshot);
         let released = |id: &VolumeId, gen: u64| {
             self.backend.holders_in(&snapshot, id, gen).is_empty()
                 && self.backend.holders(id, gen).is_ok_and(|h| h.is_empty())
         };
-        for meta in volumes {
-            let id = meta.volume_id();
+        for id in volumes {
             let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
                 continue;
             };
@@ -708,31 +718,13 @@ impl Controller {
     /// writable attachment entitles (an admin's `losetup` made after the
     /// publish, a forged stage) is fenced at the next pass, not only at the
     /// volume's next publish. Only those devices: the entitled node, and any
-    /// readers, keep theirs. One scan of the loop devices per pass, and none
-    /// when nothing is published.
-    fn fence_late_strays(&self) {
-        let published: Vec<VolumeMeta> = self
-            .store
-            .volumes()
-            .into_iter()
-            .filter(|v| !v.attachments.is_empty() && !v.current_is_fenced())
-            .collect();
-        if published.is_empty() {
-            return;
-        }
-        let snapshot = match self.backend.holder_snapshot() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot list holders; strays not checked this pass");
-                return;
-            }
-        };
-        for meta in published {
-            let id = meta.volume_id();
+    /// readers, keep theirs. `snapshot`: the pass's scan of the loop devices.
+    fn fence_late_strays(&self, published: &[VolumeId], snapshot: &[LoopInfo]) {
+        for id in published {
             let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
                 continue;
             };
-            let Some(meta) = self.store.volume(&id) else {
+            let Some(meta) = self.store.volume(id) else {
                 continue;
             };
             let gen = meta.current_generation;
@@ -745,7 +737,7 @@ impl Controller {
                 .collect();
             let is_stray = |tag: Option<&str>| !entitled.iter().any(|e| Some(e.as_str()) == tag);
             let open: Vec<LoopInfo> =
-                writable_holders(&*self.backend, &snapshot, &id, gen, &is_stray)
+                writable_holders(&*self.backend, snapshot, id, gen, &is_stray)
                     .into_iter()
                     .filter(|l| !is_fenced_device(l, bytes))
                     .collect();
@@ -755,15 +747,15 @@ impl Controller {
             crate::failpoint::pause("gc:before-stray-fence", id.as_str());
             let devices = describe(&open);
             if !self.fence_available() {
-                if self.first_report_of_unfenceable(&id, gen) {
+                if self.first_report_of_unfenceable(id, gen) {
                     tracing::error!(volume = %id, generation = gen, devices = %devices, "held writable with no attachment, and the fence is not available");
                 }
                 continue;
             }
-            let pick = |l: &LoopInfo| !l.read_only && is_stray(tag_node(&l.tag, &id, gen));
+            let pick = |l: &LoopInfo| !l.read_only && is_stray(tag_node(&l.tag, id, gen));
             match self
                 .fence_metrics
-                .time(|| self.backend.fence_devices(&id, gen, bytes, &pick))
+                .time(|| self.backend.fence_devices(id, gen, bytes, &pick))
             {
                 Ok(report) => {
                     tracing::warn!(volume = %id, generation = gen, devices = %devices, holders = report.fenced.len(), "write fence made: held writable by devices no attachment entitles")
