@@ -41,8 +41,6 @@ pub struct Published {
     pub handle: String,
     pub generation: u64,
     pub target: PathBuf,
-    /// Time since the drill's start when the volume was published.
-    pub published_at: Duration,
     /// The records file as found when the container started (before it wrote anything).
     pub found: Arc<Vec<u8>>,
     pub acked: Arc<AtomicI64>,
@@ -406,7 +404,6 @@ impl Ctx {
         })
         .await
         .context("NodePublishVolume")?;
-        let published_at = self.progress.elapsed();
         let file = target.join(RECORDS_FILE);
         let found = std::fs::read(&file).unwrap_or_default();
         let container = Container::spawn(&self.procs, &self.exe, &file, self.interval_ms)?;
@@ -418,7 +415,6 @@ impl Ctx {
             handle: handle.clone(),
             generation,
             target: target.clone(),
-            published_at,
             found: Arc::new(found),
             acked: container.acked.clone(),
             errors: container.errors.clone(),

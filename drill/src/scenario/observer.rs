@@ -204,42 +204,16 @@ async fn observe_once(
         return Ok(());
     }
     let node = cluster.api::<Node>(None).get(node_a).await?;
-    let fenced_events = cluster
-        .api::<Event>(None)
-        .list_filtered(&ListParams::default(), |e| {
-            e.reason.as_deref() == Some(fencecsi_attacher::REASON_FENCED)
-        })
-        .await?;
     let pods = cluster.api::<Pod>(Some(NAMESPACE));
     let vas = cluster.api::<VolumeAttachment>(None);
+    // Every polled step is stamped with this pass's time, and each pass looks for the
+    // later steps first: a step seen in this pass finds the (lasting) steps before it
+    // already true when they are looked at next, so the stamps follow the causal order
+    // (a later step can never be stamped before an earlier one).
     for v in vols.iter_mut() {
-        if !v.t.contains_key(&Step::ForceDeleted) {
-            if let Some((dt, cond)) = deletions.lock().unwrap().get(&v.old_uid).copied() {
-                v.t.insert(Step::ForceDeleted, dt);
-                v.deleted_with_condition = cond;
-            }
-        }
-        if !v.t.contains_key(&Step::AttachmentDeleted) && vas.get_opt(&v.va_a).await?.is_none() {
-            v.t.insert(Step::AttachmentDeleted, t);
-        }
-        if !v.t.contains_key(&Step::Fenced)
-            && fenced_events.iter().any(|e| {
-                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(v.va_a.as_str())
-            })
-        {
-            v.t.insert(Step::Fenced, t);
-            super::evidence::copy_fenced_generation(state_dir, evidence, v, shared, progress)
-                .await?;
-        }
-        if v.new_uid.is_none() {
-            if let Some(p) = pods.get_opt(&v.pod).await? {
-                if p.metadata.uid.as_deref() != Some(v.old_uid.as_str())
-                    && p.metadata.deletion_timestamp.is_none()
-                {
-                    v.new_uid = p.metadata.uid.clone();
-                    v.new_node = p.spec.and_then(|s| s.node_name);
-                    v.t.insert(Step::PodRecreated, t);
-                }
+        if let (Some(u), false) = (&v.new_uid, v.t.contains_key(&Step::PublishedOnB)) {
+            if board.by_uid(u).is_some() {
+                v.t.insert(Step::PublishedOnB, t);
             }
         }
         if let (Some(n), false) = (&v.new_node, v.t.contains_key(&Step::AttachedOnB)) {
@@ -253,9 +227,44 @@ async fn observe_once(
                 v.t.insert(Step::AttachedOnB, t);
             }
         }
-        if let (Some(u), false) = (&v.new_uid, v.t.contains_key(&Step::PublishedOnB)) {
-            if let Some(p) = board.by_uid(u) {
-                v.t.insert(Step::PublishedOnB, p.published_at.as_secs_f64());
+        if v.new_uid.is_none() {
+            if let Some(p) = pods.get_opt(&v.pod).await? {
+                if p.metadata.uid.as_deref() != Some(v.old_uid.as_str())
+                    && p.metadata.deletion_timestamp.is_none()
+                {
+                    v.new_uid = p.metadata.uid.clone();
+                    v.new_node = p.spec.and_then(|s| s.node_name);
+                    v.t.insert(Step::PodRecreated, t);
+                }
+            }
+        }
+    }
+    let fenced_events = cluster
+        .api::<Event>(None)
+        .list_filtered(&ListParams::default(), |e| {
+            e.reason.as_deref() == Some(fencecsi_attacher::REASON_FENCED)
+        })
+        .await?;
+    for v in vols.iter_mut() {
+        if !v.t.contains_key(&Step::Fenced)
+            && fenced_events.iter().any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(v.va_a.as_str())
+            })
+        {
+            v.t.insert(Step::Fenced, t);
+            super::evidence::copy_fenced_generation(state_dir, evidence, v, shared, progress)
+                .await?;
+        }
+        if !v.t.contains_key(&Step::AttachmentDeleted) && vas.get_opt(&v.va_a).await?.is_none() {
+            v.t.insert(Step::AttachmentDeleted, t);
+        }
+        // Timed by the Pod watch as it delivered the deletion, or by the pass that saw
+        // the re-created pod if that came first (the old one was gone by then).
+        if !v.t.contains_key(&Step::ForceDeleted) {
+            if let Some((dt, cond)) = deletions.lock().unwrap().get(&v.old_uid).copied() {
+                let seen = v.t.get(&Step::PodRecreated).map_or(dt, |&r| dt.min(r));
+                v.t.insert(Step::ForceDeleted, seen);
+                v.deleted_with_condition = cond;
             }
         }
     }
