@@ -20,10 +20,6 @@ use crate::controller::{Controller, ControllerService, GroupControllerService};
 use crate::identity::IdentityService;
 use crate::node::{Node, NodeService};
 
-mod authority;
-mod hpack;
-pub use authority::FixAuthority;
-
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("invalid configuration: {0}")]
@@ -206,11 +202,9 @@ pub async fn serve_with_metrics(
         )
         .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
         .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))));
-    // Every connection goes through FixAuthority: clients that send the socket path
-    // as `:authority` (grpcio, grpc-java, ...) are otherwise refused by h2.
-    let incoming = tokio_stream::StreamExt::map(UnixListenerStream::new(listener), |conn| {
-        conn.map(FixAuthority::new)
-    });
+    // Clients whose gRPC stack sends the socket path as `:authority` (grpcio, grpc-java)
+    // are refused by h2 unless they set a valid one: see docs/grpc-clients.md.
+    let incoming = UnixListenerStream::new(listener);
     let leading = lease.map(|h| {
         crate::leadership::watch_leadership(
             h,
