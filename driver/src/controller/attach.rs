@@ -3,6 +3,8 @@
 //! the volume back before it let go), and garbage collection of fenced
 //! generations once nothing holds them.
 
+use std::collections::BTreeMap;
+
 use fencecsi_proto::v1::*;
 
 use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
@@ -14,7 +16,9 @@ use crate::error::{CsiError, CsiResult};
 use crate::fence::is_fenced_device;
 use crate::ids::{check_token, VolumeId};
 use crate::loopdev::LoopInfo;
-use crate::node::{node_tag, parse_tag_full};
+use crate::node::node_tag;
+
+use super::fence_policy::{plan_unpublish, tag_node, writable, Scope, UnpublishFacts};
 
 impl Controller {
     pub(super) fn publish(
@@ -269,57 +273,21 @@ impl Controller {
         } else {
             vec![req.node_id.clone()]
         };
-        let holders = self.backend.holder_snapshot()?;
-        let target_tags: Vec<String> = nodes.iter().map(|n| node_tag(n)).collect();
-        // Nodes other than the targets attached to a generation, readers
-        // included: with any of them, only the targets' devices are fenced,
-        // never the generation (that would cut the others off too).
-        let entitled = |v: &VolumeMeta, gen: u64| -> Vec<String> {
-            v.attachments
-                .iter()
-                .filter(|(n, a)| a.generation == gen && !nodes.contains(n))
-                .map(|(n, _)| node_tag(n))
-                .collect()
-        };
-        // Generations to fence, each with the reason. A target node that the
-        // kernel shows still holding a generation writable is fenced whatever
-        // the request said: detaching it plainly would give a second node
-        // the same bytes while the first still writes.
-        let mut plan: Vec<(u64, Option<String>)> = Vec::new();
-        for gen in v.generations.keys().copied() {
-            // A read-only attachment cannot write (the kernel refuses it on
-            // its read-only device): there is nothing to fence for it.
-            let attached = nodes.iter().any(|n| {
-                v.attachments
-                    .get(n)
-                    .is_some_and(|a| a.generation == gen && !a.readonly)
-            });
-            let others = entitled(&v, gen);
-            let held = writable_holders(&*self.backend, &holders, &id, gen, &|tag| {
-                target_tags.iter().any(|t| Some(t.as_str()) == tag)
-                    || (req.fence && !others.iter().any(|o| Some(o.as_str()) == tag))
-            });
-            let fenced = v.generations[&gen].fenced_at.is_some();
-            if req.fence && (attached || !held.is_empty()) {
-                plan.push((gen, None));
-            } else if stuck_stage && attached {
-                plan.push((gen, Some(format!(
-                    "fenced although the unpublish did not ask: a process of {} held the volume's attachments lock for {:?} (a stage stuck mid-attach?), so it may still attach this generation",
-                    if nodes.len() == 1 { format!("node {}", nodes[0]) } else { "the node".into() },
-                    crate::locks::NODE_LOCK_WAIT
-                ))));
-            } else if !held.is_empty()
-                && (!fenced || !held.iter().all(|l| is_fenced_device(l, v.data_bytes(gen))))
-            {
-                let why = format!(
-                    "fenced although the unpublish did not ask: the kernel shows {} still holding it ({})",
-                    if nodes.len() == 1 { format!("node {}", nodes[0]) } else { "the node".into() },
-                    held.iter().map(|l| l.device.display().to_string()).collect::<Vec<_>>().join(", ")
-                );
-                plan.push((gen, Some(why)));
-            }
-        }
-        if !plan.is_empty() && !self.fence_available() {
+        let scan = self.backend.holder_snapshot()?;
+        let holders: BTreeMap<u64, Vec<LoopInfo>> = v
+            .generations
+            .keys()
+            .map(|&gen| (gen, self.backend.holders_in(&scan, &id, gen)))
+            .collect();
+        let plan = plan_unpublish(&UnpublishFacts {
+            id: &id,
+            record: &v,
+            targets: &nodes,
+            fence_requested: req.fence,
+            stuck_stage,
+            holders: &holders,
+        });
+        if !plan.fences.is_empty() && !self.fence_available() {
             return Err(CsiError::FailedPrecondition(format!(
                 "volume {id}: {}; the fence is not available on this driver ({})",
                 if req.fence {
@@ -336,67 +304,54 @@ impl Controller {
         // Nothing is recorded until every fence succeeded: a failed fence
         // leaves the records as they were (the devices already remapped stay
         // fenced, the safe side; a retry completes the rest).
-        let mut fully = Vec::new();
-        for (gen, why) in &plan {
-            let others = entitled(&v, *gen);
-            let bytes = v.data_bytes(*gen);
-            let report = if others.is_empty() {
-                fully.push(*gen);
-                self.fence_metrics
-                    .time(|| self.backend.freeze(&id, *gen, bytes))?
-            } else {
-                // Another node writes this generation by right: fence only
-                // the targets' devices (and strays), not the generation.
-                let pick = |l: &LoopInfo| {
-                    let tag = tag_node(&l.tag, &id, *gen);
-                    !l.read_only && !others.iter().any(|o| Some(o.as_str()) == tag)
-                };
-                self.fence_metrics
-                    .time(|| self.backend.fence_devices(&id, *gen, bytes, &pick))?
+        for step in &plan.fences {
+            let gen = step.generation;
+            let bytes = v.data_bytes(gen);
+            let report = match &step.scope {
+                Scope::Whole => self
+                    .fence_metrics
+                    .time(|| self.backend.freeze(&id, gen, bytes))?,
+                Scope::DevicesExcept(others) => {
+                    let pick = |l: &LoopInfo| {
+                        let tag = tag_node(&l.tag, &id, gen);
+                        !l.read_only && !others.iter().any(|o| Some(o.as_str()) == tag)
+                    };
+                    self.fence_metrics
+                        .time(|| self.backend.fence_devices(&id, gen, bytes, &pick))?
+                }
             };
-            match why {
+            let whole = step.scope == Scope::Whole;
+            match step.reason.unrequested_why(&nodes) {
                 Some(why) => {
-                    tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, "write fence made: {why}")
+                    tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, whole, "write fence made: {why}")
                 }
                 None => {
-                    tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, whole = others.is_empty(), "write fence made")
+                    tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, whole, "write fence made")
                 }
             }
         }
-        if !plan.is_empty() {
+        if !plan.fences.is_empty() {
             crate::failpoint::hit("unpublish:after-fence");
         }
         let now = now_nanos();
-        for (gen, why) in &plan {
-            if fully.contains(gen) {
-                if let Some(g) = v.generations.get_mut(gen) {
-                    if g.fenced_at.is_none() {
-                        g.fenced_at = Some(now);
-                        g.fenced_node = Some(nodes.join(","));
-                        g.fence_reason = why.clone();
-                    }
+        for step in plan.fences.iter().filter(|s| s.scope == Scope::Whole) {
+            if let Some(g) = v.generations.get_mut(&step.generation) {
+                if g.fenced_at.is_none() {
+                    g.fenced_at = Some(now);
+                    g.fenced_node = Some(nodes.join(","));
+                    g.fence_reason = step.reason.unrequested_why(&nodes);
                 }
             }
-            for node in &nodes {
-                let holds = v
-                    .attachments
-                    .get(node)
-                    .is_some_and(|a| a.generation == *gen)
-                    || !writable_holders(&*self.backend, &holders, &id, *gen, &|t| {
-                        t == Some(node_tag(node).as_str())
-                    })
-                    .is_empty();
-                if holds {
-                    v.fenced_from.insert(node.clone(), *gen);
-                }
-            }
+        }
+        for (node, gen) in &plan.fenced_from {
+            v.fenced_from.insert(node.clone(), *gen);
         }
         for node in &nodes {
             if v.attachments.remove(node).is_some() {
-                tracing::info!(volume = %id, node, fenced = !plan.is_empty(), "volume unpublished");
+                tracing::info!(volume = %id, node, fenced = !plan.fences.is_empty(), "volume unpublished");
             }
         }
-        if req.fence && plan.is_empty() {
+        if req.fence && plan.fences.is_empty() {
             tracing::info!(volume = %id, nodes = ?nodes, "fence requested but nothing holds or is published: nothing can write");
         }
         self.persist(&v)?;
@@ -805,13 +760,6 @@ impl Controller {
     }
 }
 
-/// The node part of a loop tag, when the tag names this volume and generation.
-fn tag_node<'a>(tag: &'a str, id: &VolumeId, gen: u64) -> Option<&'a str> {
-    parse_tag_full(tag)
-        .filter(|(v, g, _)| v == id && *g == gen)
-        .map(|(_, _, n)| n)
-}
-
 /// Writable loop devices on `gen` (from one scan) whose node part of the
 /// tag `pick` accepts (None: not one of our tags at all).
 fn writable_holders(
@@ -821,11 +769,7 @@ fn writable_holders(
     gen: u64,
     pick: &dyn Fn(Option<&str>) -> bool,
 ) -> Vec<LoopInfo> {
-    backend
-        .holders_in(scan, id, gen)
-        .into_iter()
-        .filter(|l| !l.read_only && pick(tag_node(&l.tag, id, gen)))
-        .collect()
+    writable(&backend.holders_in(scan, id, gen), id, gen, pick)
 }
 
 /// Parses a generation number from a publish context.

@@ -5,6 +5,7 @@
 //! in-flight lock, so concurrent calls for one volume get ABORTED.
 
 pub mod attach;
+mod fence_policy;
 mod freeze_record;
 mod group;
 mod leftovers;
