@@ -4,12 +4,16 @@
 //! work (files, ioctls, clones) off the async runtime and holds the volume's
 //! in-flight lock, so concurrent calls for one volume get ABORTED.
 
-pub mod attach;
+mod capacity;
+mod create;
+mod expand;
 mod fence_policy;
 mod freeze_record;
+mod gc;
 mod group;
 mod leftovers;
 pub mod modify;
+pub mod publish;
 mod quiesce;
 mod snapshots;
 mod volumes;
@@ -311,7 +315,7 @@ impl CsiController for ControllerService {
         r: Request<ControllerPublishVolumeRequest>,
     ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
         self.call("ControllerPublishVolume", move |c| {
-            c.publish(r.into_inner())
+            c.controller_publish_volume(r.into_inner())
         })
         .await
     }
@@ -320,7 +324,7 @@ impl CsiController for ControllerService {
         r: Request<ControllerUnpublishVolumeRequest>,
     ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
         self.call("ControllerUnpublishVolume", move |c| {
-            c.unpublish(r.into_inner())
+            c.controller_unpublish_volume(r.into_inner())
         })
         .await
     }
@@ -329,7 +333,7 @@ impl CsiController for ControllerService {
         r: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
         self.call("ValidateVolumeCapabilities", move |c| {
-            c.validate(r.into_inner())
+            c.validate_volume_capabilities(r.into_inner())
         })
         .await
     }
@@ -381,22 +385,26 @@ impl CsiController for ControllerService {
         &self,
         r: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        self.call("ControllerExpandVolume", move |c| c.expand(r.into_inner()))
-            .await
+        self.call("ControllerExpandVolume", move |c| {
+            c.controller_expand_volume(r.into_inner())
+        })
+        .await
     }
     async fn controller_get_volume(
         &self,
         r: Request<ControllerGetVolumeRequest>,
     ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
-        self.call("ControllerGetVolume", move |c| c.get_volume(r.into_inner()))
-            .await
+        self.call("ControllerGetVolume", move |c| {
+            c.controller_get_volume(r.into_inner())
+        })
+        .await
     }
     async fn controller_modify_volume(
         &self,
         r: Request<ControllerModifyVolumeRequest>,
     ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
         self.call("ControllerModifyVolume", move |c| {
-            c.modify_volume(r.into_inner())
+            c.controller_modify_volume(r.into_inner())
         })
         .await
     }

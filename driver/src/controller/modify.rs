@@ -44,7 +44,8 @@ pub(crate) fn validate(params: &HashMap<String, String>) -> CsiResult<BTreeMap<S
 }
 
 impl Controller {
-    pub(super) fn modify_volume(
+    /// ControllerModifyVolume: checks and records the mutable parameters.
+    pub(super) fn controller_modify_volume(
         &self,
         req: ControllerModifyVolumeRequest,
     ) -> CsiResult<ControllerModifyVolumeResponse> {

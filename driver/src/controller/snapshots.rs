@@ -35,6 +35,7 @@ pub(super) fn to_csi(s: &SnapshotMeta) -> Snapshot {
 }
 
 impl Controller {
+    /// CreateSnapshot: a point-in-time copy of a volume (frozen while it is read).
     pub(super) fn create_snapshot(
         &self,
         req: CreateSnapshotRequest,
@@ -133,6 +134,7 @@ impl Controller {
         })
     }
 
+    /// DeleteSnapshot.
     pub(super) fn delete_snapshot(
         &self,
         req: DeleteSnapshotRequest,
@@ -158,6 +160,7 @@ impl Controller {
         Ok(DeleteSnapshotResponse {})
     }
 
+    /// ListSnapshots.
     pub(super) fn list_snapshots(
         &self,
         req: ListSnapshotsRequest,

@@ -6,14 +6,26 @@
 //! completes it without doubling anything. The one thing the node keeps is the
 //! identity of the state dir it uses (`state_guard`), and the images of CSI ephemeral
 //! inline volumes, which are node-local (`ephemeral`).
+//!
+//! Each RPC's body is a `Node` method named after it, in the file of its step:
+//! - `stage.rs`: NodeStageVolume, NodeUnstageVolume;
+//! - `publish.rs`: NodePublishVolume, NodeUnpublishVolume;
+//! - `volume_stats.rs`: NodeGetVolumeStats;
+//! - `expand.rs`: NodeExpandVolume;
+//! - `ephemeral/`: the same publish, unpublish and stats for ephemeral inline volumes;
+//! - this file: NodeGetInfo, NodeGetCapabilities and the gRPC service (`NodeService`).
+//!
+//! Beside the RPCs: `recover.rs` (releasing what a fence took while the node was away),
+//! `state_guard.rs` (its state dir check) and `report.rs` (its clean report).
 
 pub mod ephemeral;
+mod expand;
 mod publish;
 pub mod recover;
 pub mod report;
 mod stage;
 pub mod state_guard;
-mod stats;
+mod volume_stats;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -214,6 +226,8 @@ pub(crate) fn remove_target(path: &Path) -> CsiResult<()> {
 #[derive(Clone)]
 pub struct NodeService(pub Arc<Node>);
 
+/// The gRPC face of [`Node`]: each call runs the `Node` method of the same name on the
+/// blocking pool (the bodies touch the kernel and the state dir).
 #[tonic::async_trait]
 impl CsiNode for NodeService {
     async fn node_stage_volume(
@@ -221,43 +235,63 @@ impl CsiNode for NodeService {
         r: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
         let n = self.0.clone();
-        blocking("NodeStageVolume", move || n.stage(r.into_inner())).await
+        blocking("NodeStageVolume", move || {
+            n.node_stage_volume(r.into_inner())
+        })
+        .await
     }
     async fn node_unstage_volume(
         &self,
         r: Request<NodeUnstageVolumeRequest>,
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let n = self.0.clone();
-        blocking("NodeUnstageVolume", move || n.unstage(r.into_inner())).await
+        blocking("NodeUnstageVolume", move || {
+            n.node_unstage_volume(r.into_inner())
+        })
+        .await
     }
     async fn node_publish_volume(
         &self,
         r: Request<NodePublishVolumeRequest>,
     ) -> Result<Response<NodePublishVolumeResponse>, Status> {
         let n = self.0.clone();
-        blocking("NodePublishVolume", move || n.publish(r.into_inner())).await
+        blocking("NodePublishVolume", move || {
+            n.node_publish_volume(r.into_inner())
+        })
+        .await
     }
     async fn node_unpublish_volume(
         &self,
         r: Request<NodeUnpublishVolumeRequest>,
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let n = self.0.clone();
-        blocking("NodeUnpublishVolume", move || n.unpublish(r.into_inner())).await
+        blocking("NodeUnpublishVolume", move || {
+            n.node_unpublish_volume(r.into_inner())
+        })
+        .await
     }
     async fn node_get_volume_stats(
         &self,
         r: Request<NodeGetVolumeStatsRequest>,
     ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let n = self.0.clone();
-        blocking("NodeGetVolumeStats", move || n.stats(r.into_inner())).await
+        blocking("NodeGetVolumeStats", move || {
+            n.node_get_volume_stats(r.into_inner())
+        })
+        .await
     }
     async fn node_expand_volume(
         &self,
         r: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         let n = self.0.clone();
-        blocking("NodeExpandVolume", move || n.expand(r.into_inner())).await
+        blocking("NodeExpandVolume", move || {
+            n.node_expand_volume(r.into_inner())
+        })
+        .await
     }
+    /// NodeGetCapabilities: the RPCs above; FORCE_UNPUBLISH only to callers that see the
+    /// fence extensions (`Extensions::shown`).
     async fn node_get_capabilities(
         &self,
         r: Request<NodeGetCapabilitiesRequest>,
@@ -267,6 +301,8 @@ impl CsiNode for NodeService {
             capabilities: Node::capabilities(ext),
         }))
     }
+    /// NodeGetInfo: this node's ID, its volume limit and its topology
+    /// (`StateGuard::topology`: the state dir's identity).
     async fn node_get_info(
         &self,
         _r: Request<NodeGetInfoRequest>,

@@ -16,7 +16,9 @@ use crate::loopdev::{self, AttachOptions};
 use crate::mounts::{self, PathState};
 
 impl Node {
-    pub(super) fn publish(
+    /// NodePublishVolume: bind-mounts the staged volume at the pod's target. An ephemeral
+    /// inline volume has no staging: it goes to `publish_ephemeral`.
+    pub(super) fn node_publish_volume(
         &self,
         req: NodePublishVolumeRequest,
     ) -> CsiResult<NodePublishVolumeResponse> {
@@ -26,7 +28,7 @@ impl Node {
         if ephemeral::is_ephemeral(&req.volume_context) {
             return self.publish_ephemeral(&req);
         }
-        // Arguments first, then existence (see stage).
+        // Arguments first, then existence (see node_stage_volume).
         let target = self.roots.check("target_path", &req.target_path)?;
         let staging = self
             .roots
@@ -172,7 +174,9 @@ impl Node {
         })
     }
 
-    pub(super) fn unpublish(
+    /// NodeUnpublishVolume: unmounts the pod's target and removes it. An ephemeral inline
+    /// volume is deleted with it, in `unpublish_ephemeral`.
+    pub(super) fn node_unpublish_volume(
         &self,
         req: NodeUnpublishVolumeRequest,
     ) -> CsiResult<NodeUnpublishVolumeResponse> {

@@ -24,8 +24,8 @@
 //!    (fencecsi-podgc's `NodeCleanReporter` sets `fencecsi.io/node-clean` on the Node).
 //!
 //! Every pass also sweeps ephemeral inline volumes that are not mounted anywhere
-//! (`ephemeral::Node::sweep_ephemeral`), before and whatever the state dir check: they are
-//! node-local, and never count against the node being clean.
+//! (`Node::sweep_ephemeral`, `ephemeral/sweep.rs`), before and whatever the state dir
+//! check: they are node-local, and never count against the node being clean.
 //!
 //! "This node's" devices: several node plugins may share one kernel (the drill, tests,
 //! kind), and loop devices are kernel-wide, so a device counts as this node's when one of

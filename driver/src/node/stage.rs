@@ -8,7 +8,7 @@ use fencecsi_proto::v1::*;
 use super::{loop_tag, remove_target, Node};
 use crate::backend::meta::{PublishLock, VolumeMeta};
 use crate::capability;
-use crate::controller::{attach::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
+use crate::controller::{publish::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 use crate::error::{CsiError, CsiResult};
 use crate::fsutil::{self, FsKind};
 use crate::ids::VolumeId;
@@ -96,7 +96,12 @@ fn overtaken(id: &VolumeId, gen: u64) -> CsiError {
 }
 
 impl Node {
-    pub(super) fn stage(&self, req: NodeStageVolumeRequest) -> CsiResult<NodeStageVolumeResponse> {
+    /// NodeStageVolume: attaches the generation the controller recorded for this node as a
+    /// tagged loop device and mounts it (or binds the device) at the staging path.
+    pub(super) fn node_stage_volume(
+        &self,
+        req: NodeStageVolumeRequest,
+    ) -> CsiResult<NodeStageVolumeResponse> {
         if req.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
         }
@@ -443,7 +448,9 @@ impl Node {
         Ok(())
     }
 
-    pub(super) fn unstage(
+    /// NodeUnstageVolume: unmounts the staging path and detaches the volume's loop devices
+    /// (`unstage_volume`, which recovery shares).
+    pub(super) fn node_unstage_volume(
         &self,
         req: NodeUnstageVolumeRequest,
     ) -> CsiResult<NodeUnstageVolumeResponse> {

@@ -15,7 +15,7 @@ use crate::loopdev::LoopInfo;
 use crate::node::{node_tag, parse_tag_full};
 
 /// What the plan is made from.
-pub(super) struct UnpublishFacts<'a> {
+pub(in crate::controller) struct UnpublishFacts<'a> {
     pub id: &'a VolumeId,
     pub record: &'a VolumeMeta,
     /// The nodes unpublished: the request's node, or every attached node.
@@ -30,7 +30,7 @@ pub(super) struct UnpublishFacts<'a> {
 
 /// How much of a generation a fence takes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Scope {
+pub(in crate::controller) enum Scope {
     /// Every writable device and the image itself: no node may write it any more.
     Whole,
     /// Only the writable devices not tagged for these node tags: nodes outside the
@@ -39,7 +39,7 @@ pub(super) enum Scope {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Reason {
+pub(in crate::controller) enum Reason {
     /// The request asked for the fence.
     Requested,
     /// Not asked for, but a stage stuck mid-attach may still attach the generation.
@@ -49,14 +49,14 @@ pub(super) enum Reason {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct FenceStep {
+pub(in crate::controller) struct FenceStep {
     pub generation: u64,
     pub scope: Scope,
     pub reason: Reason,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(super) struct UnpublishPlan {
+pub(in crate::controller) struct UnpublishPlan {
     pub fences: Vec<FenceStep>,
     /// (node, generation): the target may not have the volume back until it let go
     /// of that generation.
@@ -100,7 +100,7 @@ impl Reason {
 /// A read-only attachment cannot write, so it alone never needs a fence. With
 /// another node entitled to the generation, only the targets' and strays' devices
 /// are fenced, never the generation.
-pub(super) fn plan_unpublish(f: &UnpublishFacts) -> UnpublishPlan {
+pub(in crate::controller) fn plan_unpublish(f: &UnpublishFacts) -> UnpublishPlan {
     let v = f.record;
     let target_tags: Vec<String> = f.targets.iter().map(|n| node_tag(n)).collect();
     let mut plan = UnpublishPlan::default();
@@ -160,7 +160,11 @@ fn entitled_others(v: &VolumeMeta, targets: &[String], gen: u64) -> Vec<String> 
 }
 
 /// The node part of a loop tag, when the tag names this volume and generation.
-pub(super) fn tag_node<'a>(tag: &'a str, id: &VolumeId, gen: u64) -> Option<&'a str> {
+pub(in crate::controller) fn tag_node<'a>(
+    tag: &'a str,
+    id: &VolumeId,
+    gen: u64,
+) -> Option<&'a str> {
     parse_tag_full(tag)
         .filter(|(v, g, _)| v == id && *g == gen)
         .map(|(_, _, n)| n)
@@ -168,7 +172,7 @@ pub(super) fn tag_node<'a>(tag: &'a str, id: &VolumeId, gen: u64) -> Option<&'a 
 
 /// The writable devices among `devices` (backed by `gen`) whose tag's node part
 /// `pick` accepts (None: not one of our tags at all).
-pub(super) fn writable(
+pub(in crate::controller) fn writable(
     devices: &[LoopInfo],
     id: &VolumeId,
     gen: u64,

@@ -1,4 +1,5 @@
-//! NodeGetVolumeStats and NodeExpandVolume.
+//! NodeGetVolumeStats: usage and condition of a published volume. The helpers below
+//! serve ephemeral inline volumes' stats too (`Node::stats_ephemeral` in `ephemeral/`).
 
 use std::path::Path;
 
@@ -8,11 +9,12 @@ use fencecsi_proto::v1::*;
 use super::Node;
 use crate::error::{CsiError, CsiResult};
 use crate::fsutil;
-use crate::loopdev;
 use crate::mounts::{self, PathState};
 
 impl Node {
-    pub(super) fn stats(
+    /// NodeGetVolumeStats: bytes and inodes of the filesystem at the path (the size of a
+    /// block volume), and whether this node's devices for it are fenced or gone.
+    pub(super) fn node_get_volume_stats(
         &self,
         req: NodeGetVolumeStatsRequest,
     ) -> CsiResult<NodeGetVolumeStatsResponse> {
@@ -99,90 +101,6 @@ impl Node {
         Ok(NodeGetVolumeStatsResponse {
             usage,
             volume_condition,
-        })
-    }
-
-    pub(super) fn expand(
-        &self,
-        req: NodeExpandVolumeRequest,
-    ) -> CsiResult<NodeExpandVolumeResponse> {
-        if req.volume_id.is_empty() {
-            return Err(CsiError::InvalidArgument("volume_id is required".into()));
-        }
-        if req.volume_path.is_empty() {
-            return Err(CsiError::InvalidArgument("volume_path is required".into()));
-        }
-        let id = self.our_volume(&req.volume_id)?;
-        let path = self.roots.check("volume_path", &req.volume_path)?;
-        if let Some(cap) = &req.volume_capability {
-            crate::capability::parse(cap)?;
-        }
-        let _lock = self.inflight.try_lock(id.as_str())?;
-        let meta = self
-            .read_meta(&id)?
-            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
-        if matches!(mounts::path_state(&path), PathState::Missing) {
-            return Err(CsiError::NotFound(format!(
-                "{} does not exist",
-                path.display()
-            )));
-        }
-        let current = self
-            .loops_of(&id)?
-            .into_iter()
-            .filter(|(_, g)| {
-                meta.generations
-                    .get(g)
-                    .is_some_and(|m| m.fenced_at.is_none())
-            })
-            .max_by_key(|(_, g)| *g);
-        let (lo, gen) = current.ok_or_else(|| {
-            CsiError::FailedPrecondition(format!("volume {id} is not staged on this node"))
-        })?;
-        if meta.fenced_from.contains_key(&self.node_id) {
-            return Err(CsiError::FailedPrecondition(format!(
-                "volume {id} was fenced away from this node: it is not expanded here"
-            )));
-        }
-        // The controller widened the device when it grew the volume
-        // (ControllerExpandVolume): nodes never remap a device, so a node that
-        // hangs here cannot undo a fence. A fenced device (a window, or a
-        // generation fenced whole) is never grown into.
-        let image = self.generation_path(&id, gen);
-        let lo = loopdev::status(&lo.device)
-            .map_err(|e| CsiError::internal("reading the loop device", e))?;
-        if lo.offset != 0
-            || crate::fence::marker_path(&image).exists()
-            || crate::fence::is_fenced_device(&lo, meta.data_bytes(gen))
-        {
-            return Err(CsiError::FailedPrecondition(format!(
-                "this node's device for volume {id} is fenced: it is not expanded"
-            )));
-        }
-        if lo.size_bytes != meta.data_bytes(gen) {
-            // Never grow a filesystem into the fence trailer either (a device
-            // attached before windows existed shows it).
-            return Err(CsiError::FailedPrecondition(format!(
-                "this node's device for volume {id} shows {} bytes, not its {}: ControllerExpandVolume makes it whole (retry it)",
-                lo.size_bytes,
-                meta.data_bytes(gen)
-            )));
-        }
-        let size = lo.size_bytes;
-        if std::fs::metadata(&path)
-            .map(|m| m.is_dir())
-            .unwrap_or(false)
-        {
-            fsutil::grow(&lo.device, &path, &meta.fs_type).map_err(|e| match e {
-                fsutil::FsError::MissingCapability { .. } => CsiError::FailedPrecondition(format!(
-                    "{e}: online ext4 resize is not possible in this process; the filesystem grows to the new size at the next NodeStageVolume"
-                )),
-                e => CsiError::internal("growing the filesystem", e),
-            })?;
-        }
-        tracing::info!(volume = %id, size, "volume expanded on node");
-        Ok(NodeExpandVolumeResponse {
-            capacity_bytes: size as i64,
         })
     }
 }
