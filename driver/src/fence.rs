@@ -26,7 +26,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::fsops;
-use crate::loopdev::{self, AttachOptions, BackingLock, LoopInfo};
+use crate::locks::BackingLock;
+use crate::loopdev::{self, AttachOptions, LoopInfo};
 
 /// Bytes every image keeps beyond its data for the fence window.
 pub const TRAILER_BYTES: u64 = 1 << 20;

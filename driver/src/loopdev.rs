@@ -182,7 +182,7 @@ fn device_path(number: u32) -> PathBuf {
     PathBuf::from(format!("/dev/loop{number}"))
 }
 
-fn sys_loop_dir(number: u32) -> PathBuf {
+pub(crate) fn sys_loop_dir(number: u32) -> PathBuf {
     PathBuf::from(format!("/sys/block/loop{number}"))
 }
 
@@ -463,7 +463,9 @@ pub fn detach(device: &Path) -> Result<(), LoopError> {
     // Serialised with a fence's remap of this device (see `remap`), which
     // would otherwise overwrite the autoclear flag this call may set.
     let _guard = match get_status_raw(&dev, device) {
-        Ok(raw) => BackingLock::exclusive_for(raw.lo_number, raw.lo_device, raw.lo_inode),
+        Ok(raw) => {
+            crate::locks::BackingLock::exclusive_for(raw.lo_number, raw.lo_device, raw.lo_inode)
+        }
         Err(LoopError::NotBound(_)) => None,
         Err(e) => return Err(e),
     };
@@ -602,50 +604,6 @@ pub fn remap(device: &Path, offset: u64, size_limit: u64) -> Result<LoopInfo, Lo
 pub fn drain(device: &Path) -> Result<(), LoopError> {
     let now = status(device)?;
     remap(device, now.offset, now.size_limit).map(drop)
-}
-
-/// An advisory `flock` on a loop device's backing file, the one lock the
-/// fence (controller) and node teardown (node plugins) share: they run in
-/// different processes but always on the same kernel and the same inode.
-/// Found through sysfs' backing_file and checked by device and inode, so a
-/// renamed or replaced path is never locked by mistake.
-pub struct BackingLock {
-    _file: File,
-}
-
-impl BackingLock {
-    /// Locks `path` (shared or exclusive), waiting at most `wait` for the
-    /// other side (then `ErrorKind::TimedOut`).
-    pub fn on_path(path: &Path, exclusive: bool, wait: Duration) -> io::Result<BackingLock> {
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(path)?;
-        Ok(BackingLock {
-            _file: crate::locks::flock_within(file, exclusive, wait)?,
-        })
-    }
-
-    /// Exclusive lock on the backing file of loop device `number`, if that
-    /// file can still be reached at the path sysfs reports and the lock can
-    /// be had within [`crate::locks::NODE_LOCK_WAIT`]. Without it a detach
-    /// still goes on: at worst a remap running meanwhile drops its autoclear
-    /// flag, and the device stays bound (fenced or idle) until released again.
-    fn exclusive_for(number: u32, dev: u64, ino: u64) -> Option<BackingLock> {
-        let raw = std::fs::read_to_string(sys_loop_dir(number).join("loop/backing_file")).ok()?;
-        let path = PathBuf::from(raw.trim_end_matches('\n'));
-        let meta = std::fs::metadata(&path).ok()?;
-        if meta.dev() != dev || meta.ino() != ino {
-            return None;
-        }
-        match BackingLock::on_path(&path, true, crate::locks::NODE_LOCK_WAIT) {
-            Ok(l) => Some(l),
-            Err(e) => {
-                tracing::warn!(file = %path.display(), error = %e, "detaching without the image lock");
-                None
-            }
-        }
-    }
 }
 
 /// Test helpers shared with the mounts and fsutil tests.
@@ -1245,7 +1203,7 @@ mod tests {
             let (read_tx, read_rx) = std::sync::mpsc::channel();
             let remapper = std::thread::spawn(move || {
                 let _l = locked.then(|| {
-                    BackingLock::on_path(&file, true, crate::locks::NODE_LOCK_WAIT).unwrap()
+                    crate::locks::BackingLock::on_path(&file, true, crate::locks::NODE_LOCK_WAIT).unwrap()
                 });
                 let f = open_loop(&dev, false).unwrap();
                 let raw = get_status_raw(&f, &dev).unwrap();

@@ -12,7 +12,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::fsops::{self, CloneKind};
 use crate::ids::{Parsed, SnapshotId, VolumeId};
-use crate::locks::{CONTROLLER_LOCK_WAIT, NODE_LOCK_WAIT};
 
 /// Where group snapshot records live: `<state>/group-snapshots/<id>.json`.
 pub const GROUPS_DIR: &str = "group-snapshots";
@@ -200,107 +199,12 @@ fn version_text(v: Option<u64>) -> String {
     }
 }
 
-/// Where every controller serialises its record writes: `<state>/records.lock`.
-const RECORDS_LOCK: &str = "records.lock";
-
 pub struct MetaStore {
     root: PathBuf,
     cache: Mutex<Cache>,
     /// Held from a capacity check to the record that takes the space (see
     /// [`MetaStore::capacity_guard`]).
     capacity: Mutex<()>,
-}
-
-/// An advisory `flock` on a volume's directory (`<state>/volumes/<id>`): the
-/// lock that makes a node's "the record publishes generation G to me" and its
-/// attach of G one step with respect to the controller's changes of the
-/// attachments. The controller holds it exclusive in ControllerPublish and
-/// ControllerUnpublish from its scan of the holders until the record is
-/// written; a node holds it shared from its re-read of the record until its
-/// loop device exists. So either the unpublish sees the node's device (and
-/// fences it), or the node sees the attachment gone (and attaches nothing).
-///
-/// A node that hangs while it holds the lock must not hold up a fence: the
-/// controller waits at most [`NODE_LOCK_WAIT`], then an unpublish fences the
-/// target's whole generation without the lock (its marker keeps the stuck
-/// stage's attach out, see `fence::freeze` and `Node::find_or_attach`), and a
-/// publish goes on only when it hands out a new generation.
-///
-/// Lock order: this lock first, then an image's `loopdev::BackingLock` (the
-/// fence and the node's attach take that one inside it). Nothing takes this
-/// lock while holding a `BackingLock` (`loopdev::detach`, the fence, stats),
-/// so the two cannot deadlock. The directory, not a file in it: the records
-/// are replaced by rename, and a node must not create files in the state dir.
-pub struct PublishLock {
-    _dir: std::fs::File,
-}
-
-impl PublishLock {
-    /// [`PublishLock::take`] for an RPC: a volume without a directory is
-    /// NOT_FOUND, a lock still held after the wait ABORTED (the CO retries),
-    /// anything else INTERNAL naming `why` the lock was taken. Only the
-    /// controller takes it exclusive (and waits [`NODE_LOCK_WAIT`] for nodes),
-    /// only nodes shared (and wait [`CONTROLLER_LOCK_WAIT`] for the controller).
-    pub fn take_for_rpc(
-        state_dir: &Path,
-        id: &VolumeId,
-        exclusive: bool,
-        why: &str,
-    ) -> crate::error::CsiResult<Self> {
-        use crate::error::CsiError;
-        let wait = Self::wait(exclusive);
-        Self::within_for_rpc(state_dir, id, exclusive, why)?.ok_or_else(|| {
-            CsiError::Aborted(format!(
-                "volume {id}: another process held its attachments lock for {wait:?} while {why}; retry later"
-            ))
-        })
-    }
-
-    /// Like [`PublishLock::take_for_rpc`], but a lock still held after
-    /// `wait` is Ok(None): the caller decides what it may do without it.
-    pub fn within_for_rpc(
-        state_dir: &Path,
-        id: &VolumeId,
-        exclusive: bool,
-        why: &str,
-    ) -> crate::error::CsiResult<Option<Self>> {
-        use crate::error::CsiError;
-        match Self::take(state_dir, id, exclusive, Self::wait(exclusive)) {
-            Ok(l) => Ok(Some(l)),
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Ok(None),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(CsiError::NotFound(format!("volume {id} does not exist")))
-            }
-            Err(e) => Err(CsiError::internal(why, e)),
-        }
-    }
-
-    fn wait(exclusive: bool) -> std::time::Duration {
-        if exclusive {
-            NODE_LOCK_WAIT
-        } else {
-            CONTROLLER_LOCK_WAIT
-        }
-    }
-
-    /// Takes the lock on `id`'s directory (shared or exclusive), waiting at
-    /// most `wait` (then `ErrorKind::TimedOut`). NotFound when the volume has
-    /// no directory (it does not exist).
-    pub fn take(
-        state_dir: &Path,
-        id: &VolumeId,
-        exclusive: bool,
-        wait: std::time::Duration,
-    ) -> std::io::Result<Self> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let dir = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(state_dir.join("volumes").join(id.as_str()))?;
-        Ok(PublishLock {
-            _dir: crate::locks::flock_within(dir, exclusive, wait)?,
-        })
-    }
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> std::io::Result<Option<T>> {
@@ -420,7 +324,7 @@ impl MetaStore {
     /// under `records.lock` so two controllers cannot both pass the check):
     /// a controller that lost the state dir cannot write over a newer record.
     pub fn put_volume(&self, v: &VolumeMeta) -> Result<(), RecordError> {
-        let _w = self.records_lock()?;
+        let _w = crate::locks::RecordsLock::take(&self.root)?;
         let ours = self.check_unchanged(&v.id)?;
         let mut next = v.clone();
         next.version = ours.map_or(0, |o| o + 1);
@@ -433,7 +337,7 @@ impl MetaStore {
     /// like [`MetaStore::put_volume`], when another controller wrote it since;
     /// a record already gone is forgotten: the data went with its directory).
     pub fn remove_volume(&self, id: &VolumeId) -> Result<(), RecordError> {
-        let _w = self.records_lock()?;
+        let _w = crate::locks::RecordsLock::take(&self.root)?;
         if Self::volume_path(&self.root, id.as_str()).exists() {
             self.check_unchanged(id.as_str())?;
         }
@@ -450,7 +354,7 @@ impl MetaStore {
     /// Refuses (Stale) when another controller wrote `id`'s record since this
     /// store last read or wrote it: checked before data is deleted.
     pub fn ensure_current(&self, id: &VolumeId) -> Result<(), RecordError> {
-        let _w = self.records_lock()?;
+        let _w = crate::locks::RecordsLock::take(&self.root)?;
         self.check_unchanged(id.as_str()).map(drop)
     }
 
@@ -468,18 +372,6 @@ impl MetaStore {
             });
         }
         Ok(ours)
-    }
-
-    /// Held around a record's check and write; only controllers take it, for
-    /// a write's length (another controller's wait is bounded all the same).
-    fn records_lock(&self) -> std::io::Result<std::fs::File> {
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(self.root.join(RECORDS_LOCK))?;
-        crate::locks::flock_within(f, true, NODE_LOCK_WAIT)
     }
 
     /// How many volumes are attached to `node`.

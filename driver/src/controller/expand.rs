@@ -5,7 +5,7 @@ use fencecsi_proto::v1::*;
 use super::capacity::size_for;
 use super::Controller;
 use crate::backend::capacity;
-use crate::backend::meta::PublishLock;
+use crate::locks::PublishLock;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 

@@ -59,7 +59,7 @@ pub fn topology_of(value: &str) -> Topology {
 pub struct Controller {
     /// Held until [`Controller::release_ownership`] and until every call that
     /// holds a clone ended: one controller per state dir.
-    owner: std::sync::Mutex<Option<Arc<OwnerLock>>>,
+    owner: std::sync::Mutex<Option<Arc<crate::locks::OwnerLock>>>,
     pub(crate) cfg: Config,
     pub(crate) store: MetaStore,
     pub(crate) backend: Arc<dyn Backend>,
@@ -76,51 +76,10 @@ pub struct Controller {
     unfenceable_reported: std::sync::Mutex<std::collections::HashSet<(String, u64)>>,
 }
 
-/// An exclusive `flock` on `<state>/controller.lock`. The controller keeps
-/// the volume metadata in memory and writes it back, so a second controller
-/// on the same state dir (say, a replacement pod while the old one still
-/// runs) would overwrite the first one's records; it refuses to start instead.
-pub(crate) struct OwnerLock {
-    _file: std::fs::File,
-}
-
-impl OwnerLock {
-    fn acquire(state_dir: &std::path::Path) -> std::io::Result<Self> {
-        use std::io::{Read, Seek, Write};
-        let path = state_dir.join("controller.lock");
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)?;
-        match f.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::Error(e)) => return Err(e),
-            Err(std::fs::TryLockError::WouldBlock) => {
-                let mut holder = String::new();
-                let _ = f.read_to_string(&mut holder);
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::WouldBlock,
-                    format!(
-                        "{} is owned by another running controller plugin (pid {}); only one may serve a state dir",
-                        state_dir.display(),
-                        holder.trim()
-                    ),
-                ));
-            }
-        }
-        f.set_len(0)?;
-        f.rewind()?;
-        write!(f, "{}", std::process::id())?;
-        Ok(OwnerLock { _file: f })
-    }
-}
-
 impl Controller {
     pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
         std::fs::create_dir_all(&cfg.state_dir)?;
-        let owner = OwnerLock::acquire(&cfg.state_dir)?;
+        let owner = crate::locks::OwnerLock::acquire(&cfg.state_dir)?;
         // Before anything else: a freeze a dead controller left blocks the volume's writers.
         freeze_record::thaw_leftovers(&cfg.state_dir, true);
         let (state_id, made) = crate::state_id::ensure(&cfg.state_dir, &cfg.boot_id_file)
@@ -177,7 +136,7 @@ impl Controller {
 
     /// A reference to the ownership lock for the length of one call; UNAVAILABLE once the
     /// controller is stopping (a successor may be about to take the state dir).
-    pub(crate) fn hold_ownership(&self) -> CsiResult<Arc<OwnerLock>> {
+    pub(crate) fn hold_ownership(&self) -> CsiResult<Arc<crate::locks::OwnerLock>> {
         self.owner
             .lock()
             .unwrap_or_else(|p| p.into_inner())

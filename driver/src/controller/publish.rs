@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use fencecsi_proto::v1::*;
 
 use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
-use crate::backend::meta::{now_nanos, Attachment, Generation, PublishLock, VolumeMeta};
+use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
+use crate::locks::PublishLock;
 use crate::backend::DataRef;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};

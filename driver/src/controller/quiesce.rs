@@ -89,7 +89,8 @@ use super::freeze_record::{
     FITHAW,
 };
 use super::Controller;
-use crate::backend::meta::{now_nanos, PublishLock};
+use crate::backend::meta::now_nanos;
+use crate::locks::PublishLock;
 use crate::error::{CsiError, CsiResult};
 use crate::fsops::{CloneKind, SourceWindow};
 use crate::ids::VolumeId;

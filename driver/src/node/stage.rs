@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use fencecsi_proto::v1::*;
 
 use super::{loop_tag, remove_target, Node};
-use crate::backend::meta::{PublishLock, VolumeMeta};
+use crate::backend::meta::VolumeMeta;
+use crate::locks::PublishLock;
 use crate::capability;
 use crate::controller::{publish::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 use crate::error::{CsiError, CsiResult};
@@ -240,7 +241,7 @@ impl Node {
         let (readonly, tag) = (opts.read_only, opts.tag.clone());
         // Shared with other attaches, exclusive with a fence on this image:
         // a fence either sees this device or this attach sees its flag.
-        let _fence_lock = crate::loopdev::BackingLock::on_path(
+        let _fence_lock = crate::locks::BackingLock::on_path(
             image,
             false,
             crate::locks::CONTROLLER_LOCK_WAIT,

@@ -1,17 +1,39 @@
-//! The driver's locks and how long anyone waits for them.
+//! The driver's locks, in the order they are taken, and how long anyone waits.
 //!
-//! - [`InFlight`]: per-volume operation exclusion inside one process. The CSI
-//!   spec asks a plugin already working on a volume to answer a second
-//!   concurrent call for it with ABORTED rather than queue it; the CO retries.
-//! - File locks shared between processes (controller and node plugins), all
-//!   taken through [`flock_within`], so every wait has a bound:
-//!   `PublishLock` (`backend/meta.rs`, a volume's directory) and `BackingLock`
-//!   (`loopdev.rs`, a generation's image). Order: `PublishLock`, then
-//!   `BackingLock`. A node plugin takes both shared; the controller takes
-//!   them exclusive. A node can hang while it holds one (a frozen or paused
-//!   node, a D-state attach), so the controller waits at most
-//!   [`NODE_LOCK_WAIT`] for either, and the fence then goes on without it:
-//!   see docs/lifecycle.md, "Locks".
+//! 1. [`OwnerLock`] (`<state>/controller.lock`, exclusive, never waited for): one
+//!    controller process owns a state dir, for as long as any call of it runs.
+//! 2. [`InFlight`] (in-process, per volume or snapshot): the CSI spec asks a plugin
+//!    already working on a volume to answer a second concurrent call for it with
+//!    ABORTED rather than queue it; the CO retries.
+//! 3. [`PublishLock`] (`<state>/volumes/<id>`, a flock): orders a node's attach
+//!    against the controller's attachment changes. Nodes take it shared, the
+//!    controller exclusive.
+//! 4. [`BackingLock`] (a generation's image, a flock): the fence and the node's
+//!    attach, detach and stats. Taken inside a `PublishLock` when both are held;
+//!    nothing takes a `PublishLock` while holding one, so the two cannot deadlock.
+//! 5. [`RecordsLock`] (`<state>/records.lock`, controllers only): around one
+//!    record's version check and write, innermost.
+//!
+//! Besides these, a freeze record's own file is locked while its freeze is
+//! live (`controller::freeze_record`), so a restarted controller thaws only the
+//! freezes of dead operations; it is taken inside the volume's locks and nothing
+//! is taken inside it.
+//!
+//! Every file lock but the owner's goes through [`flock_within`], so every wait
+//! has a bound. A node can hang while it holds one (a frozen or paused node, a
+//! D-state attach), so the controller waits at most [`NODE_LOCK_WAIT`] and the
+//! fence then goes on without it; a node waits at most [`CONTROLLER_LOCK_WAIT`]
+//! and answers ABORTED. See docs/lifecycle.md, "Locks".
+
+mod backing_lock;
+mod owner_lock;
+mod publish_lock;
+mod records_lock;
+
+pub use backing_lock::BackingLock;
+pub(crate) use owner_lock::OwnerLock;
+pub use publish_lock::PublishLock;
+pub(crate) use records_lock::RecordsLock;
 
 use std::collections::HashSet;
 use std::fs::File;
