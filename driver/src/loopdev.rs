@@ -1203,7 +1203,8 @@ mod tests {
             let (read_tx, read_rx) = std::sync::mpsc::channel();
             let remapper = std::thread::spawn(move || {
                 let _l = locked.then(|| {
-                    crate::locks::BackingLock::on_path(&file, true, crate::locks::NODE_LOCK_WAIT).unwrap()
+                    crate::locks::BackingLock::on_path(&file, true, crate::locks::NODE_LOCK_WAIT)
+                        .unwrap()
                 });
                 let f = open_loop(&dev, false).unwrap();
                 let raw = get_status_raw(&f, &dev).unwrap();

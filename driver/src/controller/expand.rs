@@ -5,9 +5,9 @@ use fencecsi_proto::v1::*;
 use super::capacity::size_for;
 use super::Controller;
 use crate::backend::capacity;
-use crate::locks::PublishLock;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
+use crate::locks::PublishLock;
 
 impl Controller {
     /// ControllerExpandVolume: grows the image and widens the devices that show it.

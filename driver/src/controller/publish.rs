@@ -9,11 +9,11 @@ use fencecsi_proto::v1::*;
 
 use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
 use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
-use crate::locks::PublishLock;
 use crate::backend::DataRef;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{check_token, VolumeId};
+use crate::locks::PublishLock;
 use crate::loopdev::LoopInfo;
 
 use super::fence_policy::plan::{plan_unpublish, tag_node, Scope, UnpublishFacts};

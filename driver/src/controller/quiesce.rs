@@ -90,10 +90,10 @@ use super::freeze_record::{
 };
 use super::Controller;
 use crate::backend::meta::now_nanos;
-use crate::locks::PublishLock;
 use crate::error::{CsiError, CsiResult};
 use crate::fsops::{CloneKind, SourceWindow};
 use crate::ids::VolumeId;
+use crate::locks::PublishLock;
 use crate::mounts;
 
 /// The stall point (see [`crate::failpoint::stall`]) a copy reaches when it

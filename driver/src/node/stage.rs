@@ -7,12 +7,12 @@ use fencecsi_proto::v1::*;
 
 use super::{loop_tag, remove_target, Node};
 use crate::backend::meta::VolumeMeta;
-use crate::locks::PublishLock;
 use crate::capability;
 use crate::controller::{publish::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 use crate::error::{CsiError, CsiResult};
 use crate::fsutil::{self, FsKind};
 use crate::ids::VolumeId;
+use crate::locks::PublishLock;
 use crate::loopdev::{self, AttachOptions, LoopInfo};
 use crate::mounts::{self, PathState};
 
