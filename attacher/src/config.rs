@@ -1,8 +1,22 @@
 //! The controller's configuration (library side; the binary maps its flags onto it).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+
+use fencecsi_cluster::cli::{default_duration, LeaderElectionArgs};
+use fencecsi_cluster::http::HttpEndpoint;
+
+/// The binary's name, and the fallback of its default identity.
+pub const NAME: &str = "fencecsi-attacher";
+
+// Defaults the flags (src/main.rs) and [`Config::new`] share.
+pub const DEFAULT_WORKERS: usize = 10;
+pub const DEFAULT_TIMEOUT: &str = "30s";
+pub const DEFAULT_RESYNC: &str = "60s";
+/// The retry backoff, as external-attacher's: 1 s doubling to 5 min.
+pub const DEFAULT_RETRY_START: &str = "1s";
+pub const DEFAULT_RETRY_MAX: &str = "5m";
+pub const DEFAULT_DRAIN_TIMEOUT: &str = "30s";
 
 /// When `ControllerUnpublishVolume` is sent with `fence = true`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -43,8 +57,8 @@ impl Default for Backoff {
     /// 1 s doubling to 5 min, as external-attacher.
     fn default() -> Self {
         Backoff {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(300),
+            initial: default_duration(DEFAULT_RETRY_START),
+            max: default_duration(DEFAULT_RETRY_MAX),
         }
     }
 }
@@ -59,50 +73,21 @@ impl Backoff {
     }
 }
 
-/// Leader election on a coordination.k8s.io/v1 Lease.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaderElection {
-    /// Namespace of the Lease.
-    pub namespace: String,
-    /// Lease name; `None`: `external-attacher-leader-<driver>` (dots and slashes as
-    /// dashes), the name upstream's external-attacher uses.
-    pub lease_name: Option<String>,
-    pub lease_duration: Duration,
-    pub renew_deadline: Duration,
-    pub retry_period: Duration,
-    /// How long the election may get no answer before /healthz reports unhealthy.
-    pub unhealthy_after: Duration,
-}
-
-impl LeaderElection {
-    /// client-go's timings (15 s / 10 s / 2 s).
-    pub fn new(namespace: &str) -> Self {
-        LeaderElection {
-            namespace: namespace.to_string(),
-            lease_name: None,
-            lease_duration: Duration::from_secs(15),
-            renew_deadline: Duration::from_secs(10),
-            retry_period: Duration::from_secs(2),
-            unhealthy_after: fencecsi_cluster::ELECTION_UNHEALTHY_AFTER,
-        }
-    }
-
-    /// The Lease name for `driver`.
-    pub fn lease_name_for(&self, driver: &str) -> String {
-        self.lease_name.clone().unwrap_or_else(|| {
-            let sanitized: String = driver
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' {
-                        c.to_ascii_lowercase()
-                    } else {
-                        '-'
-                    }
-                })
-                .collect();
-            format!("external-attacher-leader-{sanitized}")
+/// The Lease name for `driver` unless `--leader-election-lease-name` gives one:
+/// `external-attacher-leader-<driver>` (dots and slashes as dashes), the name upstream's
+/// external-attacher uses.
+pub fn lease_name_for(driver: &str) -> String {
+    let sanitized: String = driver
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
         })
-    }
+        .collect();
+    format!("external-attacher-leader-{sanitized}")
 }
 
 /// Configuration of one attacher instance.
@@ -119,11 +104,12 @@ pub struct Config {
     pub fence: FencePolicy,
     /// Retry backoff per VolumeAttachment (also paces the start-up wait for the plugin).
     pub backoff: Backoff,
-    /// `None`: this instance is active as soon as it has started.
-    pub leader_election: Option<LeaderElection>,
-    /// Where `/healthz` and `/metrics` are served; `None`: not served. Port 0 picks a
-    /// free port (see [`crate::Status::http_addr`]).
-    pub http_endpoint: Option<SocketAddr>,
+    /// Leader election on a Lease (the Lease name defaults to [`lease_name_for`] the
+    /// driver). Off: this instance is active as soon as it has started.
+    pub leader_election: LeaderElectionArgs,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served; `None`: not served. Port 0
+    /// picks a free port (see [`crate::Status::http_addr`]).
+    pub http_endpoint: Option<HttpEndpoint>,
     /// This instance's identity: the Lease holder and the events' reporting instance.
     pub identity: String,
     /// On shutdown, how long in-flight operations may take before they are abandoned.
@@ -131,27 +117,23 @@ pub struct Config {
 }
 
 impl Config {
-    /// Defaults as the binary's: 10 workers, 30 s timeout, 60 s resync, fence auto,
-    /// 1 s → 5 min backoff, no leader election, no HTTP endpoint, 30 s shutdown grace.
+    /// The binary's defaults: 10 workers, 30 s timeout, 60 s resync, fence auto,
+    /// 1 s → 5 min backoff, no leader election, no HTTP endpoint, the default identity,
+    /// 30 s shutdown grace.
     pub fn new(csi_socket: impl Into<PathBuf>) -> Self {
         Config {
             csi_socket: csi_socket.into(),
-            workers: 10,
-            timeout: Duration::from_secs(30),
-            resync: Duration::from_secs(60),
-            fence: FencePolicy::Auto,
+            workers: DEFAULT_WORKERS,
+            timeout: default_duration(DEFAULT_TIMEOUT),
+            resync: default_duration(DEFAULT_RESYNC),
+            fence: FencePolicy::default(),
             backoff: Backoff::default(),
-            leader_election: None,
+            leader_election: LeaderElectionArgs::default(),
             http_endpoint: None,
-            identity: default_identity(),
-            shutdown_grace: Duration::from_secs(30),
+            identity: fencecsi_cluster::cli::default_identity(NAME),
+            shutdown_grace: default_duration(DEFAULT_DRAIN_TIMEOUT),
         }
     }
-}
-
-/// See [`fencecsi_cluster::cli::default_identity`].
-pub fn default_identity() -> String {
-    fencecsi_cluster::cli::default_identity("fencecsi-attacher")
 }
 
 /// The duration parser every fencecsi binary shares.
@@ -174,9 +156,8 @@ mod tests {
 
     #[test]
     fn lease_name_follows_upstream_form() {
-        let le = LeaderElection::new("kube-system");
         assert_eq!(
-            le.lease_name_for("loop.fencecsi.io"),
+            lease_name_for("loop.fencecsi.io"),
             "external-attacher-leader-loop-fencecsi-io"
         );
     }

@@ -18,8 +18,8 @@
 //! Work is spread over a bounded pool of workers fed by a de-duplicating queue (an object
 //! is never processed by two workers at once) with per-object exponential backoff; every
 //! VolumeAttachment is re-queued each resync period. With leader election, only the
-//! replica holding the Lease acts. Metrics (prometheus-client) and `/healthz` are served
-//! over HTTP; Kubernetes Events mark each attach, detach and fence.
+//! replica holding the Lease acts. Metrics (prometheus-client), `/healthz` and `/readyz`
+//! are served over HTTP (see `http`); Kubernetes Events mark each attach, detach and fence.
 //!
 //! # Running it in-process
 //!
@@ -42,7 +42,7 @@
 //! Or `Attacher::new(cluster, cfg).run(shutdown_future).await` to run it on the current
 //! task until `shutdown_future` resolves.
 
-mod config;
+pub mod config;
 mod csi;
 mod http;
 pub mod metrics;
@@ -59,8 +59,11 @@ use std::time::Duration;
 use fencecsi_cluster::Cluster;
 use tokio::sync::{oneshot, watch};
 
-pub use config::{default_identity, parse_duration, Backoff, Config, FencePolicy, LeaderElection};
+pub use config::{lease_name_for, parse_duration, Backoff, Config, FencePolicy, NAME};
 pub use csi::Capabilities;
+/// The leader-election settings of [`Config::leader_election`], shared with the flags.
+pub use fencecsi_cluster::cli::LeaderElectionArgs;
+pub use fencecsi_cluster::http::HttpEndpoint;
 pub use fencecsi_cluster::well_known;
 pub use metrics::Metrics;
 pub use reconcile::{
@@ -75,15 +78,16 @@ pub use run::REPORTING_CONTROLLER;
 pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
-    #[error("binding the HTTP endpoint {addr}: {source}")]
+    #[error("binding the HTTP endpoint {endpoint}: {source}")]
     Http {
-        addr: SocketAddr,
+        endpoint: HttpEndpoint,
         source: std::io::Error,
     },
     #[error("cluster: {0}")]
     Cluster(#[from] fencecsi_cluster::Error),
+    /// The instance's task panicked (or was cancelled).
     #[error("attacher task: {0}")]
-    Task(String),
+    Task(tokio::task::JoinError),
 }
 
 /// Where an instance is in its life.
@@ -108,12 +112,13 @@ pub struct Status {
     /// The CSI driver name, once the plugin answered.
     pub driver: Option<String>,
     pub capabilities: Option<Capabilities>,
-    /// The bound `/healthz` + `/metrics` address (the real port when 0 was asked for).
+    /// The bound `/metrics`, `/healthz` and `/readyz` address (the real port when 0 was
+    /// asked for).
     pub http_addr: Option<SocketAddr>,
     pub identity: String,
-    /// Leader election has had no answer from the API server for
-    /// [`fencecsi_cluster::ELECTION_UNHEALTHY_AFTER`] (Forbidden, unreachable):
-    /// /healthz reports it, so a liveness probe restarts the pod.
+    /// Leader election has had no answer from the API server for its unhealthy-after
+    /// limit (Forbidden, unreachable): /healthz reports it, so a liveness probe restarts
+    /// the pod.
     pub election_failing: bool,
 }
 
@@ -211,7 +216,7 @@ impl AttacherHandle {
             let _ = tx.send(());
         }
         match self.task.take() {
-            Some(t) => t.await.map_err(|e| Error::Task(e.to_string()))?,
+            Some(t) => t.await.map_err(Error::Task)?,
             None => Ok(()),
         }
     }

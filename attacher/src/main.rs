@@ -1,18 +1,22 @@
 //! `fencecsi-attacher`: the VolumeAttachment controller as a process (a sidecar next to
 //! the controller plugin).
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use fencecsi_attacher::{parse_duration, Attacher, Backoff, Config, FencePolicy, LeaderElection};
-use fencecsi_cluster::cli::{KubeArgs, LeaderElectionArgs, LogFormat};
+use fencecsi_attacher::config::{
+    DEFAULT_DRAIN_TIMEOUT, DEFAULT_RESYNC, DEFAULT_RETRY_MAX, DEFAULT_RETRY_START, DEFAULT_TIMEOUT,
+    DEFAULT_WORKERS,
+};
+use fencecsi_attacher::{parse_duration, Attacher, Backoff, Config, FencePolicy, NAME};
+use fencecsi_cluster::cli::{IdentityArgs, KubeArgs, LeaderElectionArgs, LogFormat};
+use fencecsi_cluster::http::HttpEndpoint;
 
 /// fencecsi VolumeAttachment controller: attaches volumes with ControllerPublishVolume,
 /// detaches them with ControllerUnpublishVolume, and fences nodes that may still be
 /// writing (`fence = true`) so that a volume can move off a failed node safely.
 #[derive(Debug, Parser)]
-#[command(name = "fencecsi-attacher", version, about, long_about = None)]
+#[command(name = NAME, version, about, long_about = None)]
 struct Args {
     /// The controller plugin's CSI endpoint (unix socket).
     #[arg(long, env = "CSI_ADDRESS", default_value = "unix:///csi/csi.sock")]
@@ -22,30 +26,30 @@ struct Args {
     kube: KubeArgs,
 
     /// Worker tasks processing VolumeAttachments concurrently.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = DEFAULT_WORKERS)]
     workers: usize,
 
     /// Timeout of each CSI call (e.g. 30s, 500ms, 2m).
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_TIMEOUT, value_parser = parse_duration)]
     timeout: Duration,
 
     /// How often every VolumeAttachment is processed again.
-    #[arg(long = "resync-interval", alias = "resync", default_value = "60s",
+    #[arg(long = "resync-interval", default_value = DEFAULT_RESYNC,
           value_parser = parse_duration)]
     resync: Duration,
 
     /// When to send fence=true on detach: auto = the node may still be writing (gone,
     /// NotReady, quarantined or out-of-service, or still using the volume); always;
     /// never. Only plugins advertising UNPUBLISH_FENCE are ever asked to fence.
-    #[arg(long, value_enum, default_value_t = FencePolicy::Auto)]
+    #[arg(long, value_enum, default_value_t)]
     fence: FencePolicy,
 
     /// First retry delay after a failure; doubles per consecutive failure.
-    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_RETRY_START, value_parser = parse_duration)]
     retry_interval_start: Duration,
 
     /// Longest retry delay.
-    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_RETRY_MAX, value_parser = parse_duration)]
     retry_interval_max: Duration,
 
     /// Leader election on a Lease, so that of several replicas only one acts. Its
@@ -53,22 +57,21 @@ struct Args {
     #[command(flatten)]
     leader_election: LeaderElectionArgs,
 
-    /// This replica's identity in the Lease and in events [default: $POD_NAME or the
-    /// host name, plus a random suffix].
-    #[arg(long)]
-    identity: Option<String>,
+    #[command(flatten)]
+    identity: IdentityArgs,
 
-    /// Address serving /healthz and /metrics; empty to disable.
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    http_endpoint: String,
+    /// Serve /metrics, /healthz and /readyz on this address: ":9810" (all interfaces),
+    /// "127.0.0.1:9810" or "[::1]:9810". Unset: no HTTP server.
+    #[arg(long)]
+    http_endpoint: Option<HttpEndpoint>,
 
     /// On SIGTERM, how long in-flight CSI calls may take before the process exits.
-    #[arg(long = "drain-timeout", alias = "shutdown-grace", default_value = "30s",
+    #[arg(long = "drain-timeout", default_value = DEFAULT_DRAIN_TIMEOUT,
           value_parser = parse_duration)]
     drain_timeout: Duration,
 
     /// Log format (the level comes from RUST_LOG, default info).
-    #[arg(long, value_enum, default_value = "text")]
+    #[arg(long, value_enum, default_value_t)]
     log_format: LogFormat,
 }
 
@@ -89,32 +92,9 @@ fn config(args: &Args) -> Result<Config, String> {
         max: args.retry_interval_max,
     };
     cfg.shutdown_grace = args.drain_timeout;
-    if let Some(id) = &args.identity {
-        cfg.identity = id.clone();
-    }
-    cfg.http_endpoint = if args.http_endpoint.is_empty() {
-        None
-    } else {
-        Some(
-            args.http_endpoint
-                .parse::<SocketAddr>()
-                .map_err(|e| format!("--http-endpoint {:?}: {e}", args.http_endpoint))?,
-        )
-    };
-    let e = &args.leader_election;
-    if e.enabled {
-        let ns = e
-            .namespace
-            .clone()
-            .unwrap_or_else(fencecsi_cluster::cli::own_namespace);
-        let mut le = LeaderElection::new(&ns);
-        le.lease_name = e.lease_name.clone();
-        le.lease_duration = e.lease_duration;
-        le.renew_deadline = e.renew_deadline;
-        le.retry_period = e.retry_period;
-        le.unhealthy_after = e.unhealthy_after;
-        cfg.leader_election = Some(le);
-    }
+    cfg.identity = args.identity.resolve(NAME);
+    cfg.http_endpoint = args.http_endpoint;
+    cfg.leader_election = args.leader_election.clone();
     Ok(cfg)
 }
 
@@ -145,6 +125,58 @@ async fn main() -> std::process::ExitCode {
         Err(e) => {
             tracing::error!(error = %e, "fencecsi-attacher failed");
             std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fencecsi_attacher::LeaderElectionArgs;
+
+    #[test]
+    fn the_flags_defaults_are_the_library_defaults() {
+        let args = Args::try_parse_from([NAME, "--csi-address=unix:///csi/csi.sock"]).unwrap();
+        let flags = config(&args).unwrap();
+        let lib = Config::new(&flags.csi_socket);
+        assert_eq!(flags.workers, lib.workers);
+        assert_eq!(flags.timeout, lib.timeout);
+        assert_eq!(flags.resync, lib.resync);
+        assert_eq!(flags.fence, lib.fence);
+        assert_eq!(flags.backoff, lib.backoff);
+        assert_eq!(
+            flags.http_endpoint, lib.http_endpoint,
+            "no HTTP unless asked"
+        );
+        assert_eq!(flags.shutdown_grace, lib.shutdown_grace);
+        // The namespace may come from POD_NAMESPACE for the flags, never for the library.
+        let election = LeaderElectionArgs {
+            namespace: None,
+            ..flags.leader_election
+        };
+        assert_eq!(election, lib.leader_election, "no election unless asked");
+    }
+
+    #[test]
+    fn the_http_endpoint_takes_the_sidecars_form() {
+        let parse = |e: &str| Args::try_parse_from([NAME, e]).map(|a| a.http_endpoint);
+        assert_eq!(
+            parse("--http-endpoint=:9810").unwrap(),
+            Some(HttpEndpoint::any(9810))
+        );
+        assert_eq!(
+            parse("--http-endpoint=127.0.0.1:8080").unwrap(),
+            Some(HttpEndpoint::from(std::net::SocketAddr::from((
+                [127, 0, 0, 1],
+                8080
+            ))))
+        );
+        for bad in [
+            "--http-endpoint=",
+            "--http-endpoint=8080",
+            "--http-endpoint=localhost:8080",
+        ] {
+            assert!(parse(bad).is_err(), "{bad} accepted");
         }
     }
 }

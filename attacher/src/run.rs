@@ -5,18 +5,18 @@ use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use fencecsi_cluster::http::HttpServer;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::kube::runtime::reflector::store::Writer;
 use fencecsi_cluster::kube::runtime::reflector::{self, ObjectRef};
 use fencecsi_cluster::{
-    well_known, Cluster, EventRecorder, LeaderElectionConfig, LeaderElector, LeaderHandle,
-    WatchEvent, WatchParams,
+    well_known, Cluster, EventRecorder, LeaderElector, LeaderHandle, WatchEvent, WatchParams,
 };
 use futures::StreamExt;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::config::{Config, FencePolicy};
+use crate::config::{lease_name_for, Config, FencePolicy};
 use crate::csi::{Capabilities, Csi};
 use crate::metrics::Metrics;
 use crate::queue::WorkQueue;
@@ -247,20 +247,27 @@ pub(crate) async fn run(
 ) -> Result<(), Error> {
     validate(&cfg)?;
     tokio::pin!(shutdown);
-    let mut bg = JoinSet::new();
     status.send_modify(|s| {
         s.phase = Phase::Starting;
         s.identity = cfg.identity.clone();
     });
-    if let Some(addr) = cfg.http_endpoint {
-        let listener = http::bind(addr)
-            .await
-            .map_err(|source| Error::Http { addr, source })?;
-        let bound = listener.local_addr().ok();
-        status.send_modify(|s| s.http_addr = bound);
-        tracing::info!(addr = ?bound, "serving /healthz and /metrics");
-        bg.spawn(http::serve(listener, metrics.clone(), status.subscribe()));
-    }
+    let http = match &cfg.http_endpoint {
+        Some(endpoint) => {
+            let report = Arc::new(http::Report {
+                metrics: metrics.clone(),
+                status: status.subscribe(),
+            });
+            let server = fencecsi_cluster::http::start(endpoint, report)
+                .await
+                .map_err(|source| Error::Http {
+                    endpoint: *endpoint,
+                    source,
+                })?;
+            status.send_modify(|s| s.http_addr = Some(server.local_addr()));
+            Some(server)
+        }
+        None => None,
+    };
 
     let csi = Csi::new(&cfg.csi_socket, cfg.timeout);
     let mut failures = 0;
@@ -271,7 +278,7 @@ pub(crate) async fn run(
             Ok::<(String, Capabilities), tonic::Status>((name, caps))
         };
         let r = tokio::select! {
-            _ = &mut shutdown => return finish(status, bg).await,
+            _ = &mut shutdown => return finish(status, http).await,
             r = attempt => r,
         };
         match r {
@@ -281,7 +288,7 @@ pub(crate) async fn run(
                 let d = cfg.backoff.delay(failures).min(STARTUP_RETRY_MAX);
                 tracing::warn!(socket = %cfg.csi_socket.display(), code = ?e.code(), error = %e.message(), retry_in = ?d, "waiting for the CSI plugin");
                 tokio::select! {
-                    _ = &mut shutdown => return finish(status, bg).await,
+                    _ = &mut shutdown => return finish(status, http).await,
                     _ = tokio::time::sleep(d) => {}
                 }
             }
@@ -299,14 +306,13 @@ pub(crate) async fn run(
         s.capabilities = Some(caps);
     });
 
-    let leadership = match &cfg.leader_election {
+    let leadership = match cfg
+        .leader_election
+        .config(&lease_name_for(&driver), &cfg.identity)
+    {
         Some(le) => {
-            let lease = le.lease_name_for(&driver);
-            let lcfg = LeaderElectionConfig::new(&le.namespace, &lease, &cfg.identity)
-                .with_timing(le.lease_duration, le.renew_deadline, le.retry_period)
-                .unhealthy_after(le.unhealthy_after);
-            let elector = LeaderElector::new(&cluster, lcfg)?;
-            tracing::info!(namespace = %le.namespace, lease = %lease, identity = %cfg.identity, "leader election on");
+            let elector = LeaderElector::new(&cluster, le.clone())?;
+            tracing::info!(namespace = %le.namespace, lease = %le.lease_name, identity = %cfg.identity, "leader election on");
             let le_check_period =
                 (le.unhealthy_after / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
             let handle = Arc::new(elector.spawn());
@@ -408,11 +414,13 @@ pub(crate) async fn run(
             Err(_) => tracing::warn!("lease still shared at exit; not released"),
         }
     }
-    finish(status, bg).await
+    finish(status, http).await
 }
 
-async fn finish(status: watch::Sender<Status>, mut bg: JoinSet<()>) -> Result<(), Error> {
-    bg.shutdown().await;
+async fn finish(status: watch::Sender<Status>, http: Option<HttpServer>) -> Result<(), Error> {
+    if let Some(h) = http {
+        h.stop().await;
+    }
     status.send_modify(|s| s.phase = Phase::Stopped);
     tracing::info!("stopped");
     Ok(())
@@ -435,5 +443,6 @@ fn validate(cfg: &Config) -> Result<(), Error> {
     if cfg.identity.is_empty() {
         return bad("identity must not be empty");
     }
+    cfg.leader_election.validate().map_err(Error::Config)?;
     Ok(())
 }

@@ -21,9 +21,24 @@ pub(crate) struct CsiVolume {
     pub wants_secrets: bool,
 }
 
+/// Why a PersistentVolume spec has no CSI volume for this driver.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum InvalidVolume {
+    #[error("the PersistentVolume has no access modes")]
+    NoAccessModes,
+    #[error("unsupported access modes {0:?}")]
+    UnsupportedAccessModes(Vec<String>),
+    #[error("the PersistentVolume is not a CSI volume")]
+    NotCsi,
+    #[error("the PersistentVolume belongs to CSI driver {driver:?}, not {ours:?}")]
+    OtherDriver { driver: String, ours: String },
+    #[error("the PersistentVolume has an empty volumeHandle")]
+    EmptyHandle,
+}
+
 /// The CSI access mode for a PV's access modes, as external-attacher chooses it: the
 /// broadest mode the PV allows wins.
-pub(crate) fn access_mode(modes: &[String]) -> Result<AccessMode, String> {
+pub(crate) fn access_mode(modes: &[String]) -> Result<AccessMode, InvalidVolume> {
     let has = |m: &str| modes.iter().any(|x| x == m);
     let (rwo, rox, rwx, rwop) = (
         has("ReadWriteOnce"),
@@ -42,26 +57,26 @@ pub(crate) fn access_mode(modes: &[String]) -> Result<AccessMode, String> {
     } else if rwop {
         AccessMode::SingleNodeSingleWriter
     } else if modes.is_empty() {
-        return Err("the PersistentVolume has no access modes".into());
+        return Err(InvalidVolume::NoAccessModes);
     } else {
-        return Err(format!("unsupported access modes {modes:?}"));
+        return Err(InvalidVolume::UnsupportedAccessModes(modes.to_vec()));
     })
 }
 
 /// The CSI volume of a PV (or an inline volume spec) served by `driver`.
-pub(crate) fn csi_volume(spec: &PersistentVolumeSpec, driver: &str) -> Result<CsiVolume, String> {
-    let csi = spec
-        .csi
-        .as_ref()
-        .ok_or_else(|| "the PersistentVolume is not a CSI volume".to_string())?;
+pub(crate) fn csi_volume(
+    spec: &PersistentVolumeSpec,
+    driver: &str,
+) -> Result<CsiVolume, InvalidVolume> {
+    let csi = spec.csi.as_ref().ok_or(InvalidVolume::NotCsi)?;
     if csi.driver != driver {
-        return Err(format!(
-            "the PersistentVolume belongs to CSI driver {:?}, not {driver:?}",
-            csi.driver
-        ));
+        return Err(InvalidVolume::OtherDriver {
+            driver: csi.driver.clone(),
+            ours: driver.to_string(),
+        });
     }
     if csi.volume_handle.is_empty() {
-        return Err("the PersistentVolume has an empty volumeHandle".into());
+        return Err(InvalidVolume::EmptyHandle);
     }
     let mode = access_mode(spec.access_modes.as_deref().unwrap_or_default())?;
     let block = spec.volume_mode.as_deref() == Some("Block");
@@ -202,6 +217,15 @@ mod tests {
         );
         assert!(access_mode(&[]).is_err());
         assert!(access_mode(&modes(&["Sometimes"])).is_err());
+        // Status errors and Events carry these texts.
+        assert_eq!(
+            access_mode(&[]).unwrap_err().to_string(),
+            "the PersistentVolume has no access modes"
+        );
+        assert_eq!(
+            access_mode(&modes(&["Sometimes"])).unwrap_err().to_string(),
+            r#"unsupported access modes ["Sometimes"]"#
+        );
     }
 
     fn spec(block: bool) -> PersistentVolumeSpec {
@@ -241,6 +265,12 @@ mod tests {
         ));
         assert!(csi_volume(&spec(false), "other.example.com").is_err());
         assert!(csi_volume(&PersistentVolumeSpec::default(), D).is_err());
+        assert_eq!(
+            csi_volume(&spec(false), "other.example.com")
+                .unwrap_err()
+                .to_string(),
+            r#"the PersistentVolume belongs to CSI driver "loop.fencecsi.io", not "other.example.com""#
+        );
     }
 
     fn node(ready: &str, taint: Option<&str>, in_use: &[&str]) -> Node {

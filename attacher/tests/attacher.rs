@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use fencecsi_attacher::metrics::{ATTACH, DETACH, ERROR, SUCCESS};
 use fencecsi_attacher::{
-    spawn, FencePolicy, LeaderElection, Phase, REASON_ATTACHED, REASON_ATTACHMENT_LOST,
+    spawn, FencePolicy, LeaderElectionArgs, Phase, REASON_ATTACHED, REASON_ATTACHMENT_LOST,
     REASON_ATTACH_FAILED, REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION,
 };
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeSpec, PersistentVolume, Taint};
@@ -144,9 +144,10 @@ async fn attach_then_detach_without_fence_on_a_ready_node() {
     assert_eq!(published_nodes(&s.client, &handle).await, vec!["node-a"]);
     wait_event(&s.cluster, &name, REASON_ATTACHED).await;
 
-    // /healthz and /metrics answer.
+    // /healthz, /readyz and /metrics answer.
     let addr = a.status().http_addr.unwrap();
     assert_eq!(http_get(addr, "/healthz").await, (200, "ok\n".into()));
+    assert_eq!(http_get(addr, "/readyz").await, (200, "ok\n".into()));
     let (code, metrics) = http_get(addr, "/metrics").await;
     assert_eq!(code, 200);
     assert!(
@@ -538,17 +539,18 @@ async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
 async fn with_leader_election_one_replica_acts_and_another_takes_over() {
     require_root!();
     let s = Setup::new().await;
-    let le = {
-        let mut le = LeaderElection::new("kube-system");
-        le.lease_duration = Duration::from_secs(2);
-        le.renew_deadline = Duration::from_millis(1500);
-        le.retry_period = Duration::from_millis(200);
-        le
+    let le = LeaderElectionArgs {
+        enabled: true,
+        namespace: Some("kube-system".into()),
+        lease_duration: Duration::from_secs(2),
+        renew_deadline: Duration::from_millis(1500),
+        retry_period: Duration::from_millis(200),
+        ..Default::default()
     };
     let replica = |id: &str| {
         let mut cfg = test_config(&s.socket());
         cfg.identity = id.into();
-        cfg.leader_election = Some(le.clone());
+        cfg.leader_election = le.clone();
         spawn(s.cluster.clone(), cfg)
     };
     let a = replica("replica-a");
@@ -585,6 +587,21 @@ async fn with_leader_election_one_replica_acts_and_another_takes_over() {
     assert_eq!(
         slots.lock().unwrap()[1].as_ref().unwrap().status().phase,
         Phase::Standby
+    );
+    // A standby is alive and ready: readiness means running, not leading.
+    let standby_addr = slots.lock().unwrap()[1]
+        .as_ref()
+        .unwrap()
+        .status()
+        .http_addr
+        .unwrap();
+    assert_eq!(
+        http_get(standby_addr, "/healthz").await,
+        (200, "ok\n".into())
+    );
+    assert_eq!(
+        http_get(standby_addr, "/readyz").await,
+        (200, "ok\n".into())
     );
 
     let (handle, name) = s.volume_and_va("pv-le", "node-a").await;
@@ -821,12 +838,13 @@ fn the_binary_explains_its_flags() {
         "--kubeconfig",
         "--workers",
         "--timeout",
-        "--resync",
+        "--resync-interval",
         "--fence",
         "--leader-election",
         "--leader-election-namespace",
         "--leader-election-lease-name",
         "--http-endpoint",
+        "--identity",
         "--log-format",
         "[default: unix:///csi/csi.sock]",
         "- always:",
@@ -844,14 +862,17 @@ async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
     s.cluster
         .deny::<fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease>("locked");
     let replica = |id: &str, ns: &str| {
-        let mut le = LeaderElection::new(ns);
-        le.lease_duration = Duration::from_secs(2);
-        le.renew_deadline = Duration::from_millis(1500);
-        le.retry_period = Duration::from_millis(200);
-        le.unhealthy_after = Duration::from_secs(1);
         let mut cfg = test_config(&s.socket());
         cfg.identity = id.into();
-        cfg.leader_election = Some(le);
+        cfg.leader_election = LeaderElectionArgs {
+            enabled: true,
+            namespace: Some(ns.into()),
+            lease_duration: Duration::from_secs(2),
+            renew_deadline: Duration::from_millis(1500),
+            retry_period: Duration::from_millis(200),
+            unhealthy_after: Duration::from_secs(1),
+            ..Default::default()
+        };
         spawn(s.cluster.clone(), cfg)
     };
     let mut open = replica("open", "kube-system");
@@ -872,12 +893,18 @@ async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
     .await;
     assert_eq!(code, 503);
     assert!(body.contains("leader election"), "{body}");
+    assert_eq!(
+        http_get(locked_addr, "/readyz").await.0,
+        503,
+        "not ready either"
+    );
     assert!(
         !locked.is_active(),
         "a replica without its Lease never acts"
     );
     let open_addr = open.status().http_addr.unwrap();
     assert_eq!(http_get(open_addr, "/healthz").await, (200, "ok\n".into()));
+    assert_eq!(http_get(open_addr, "/readyz").await, (200, "ok\n".into()));
     locked.shutdown().await.unwrap();
     open.shutdown().await.unwrap();
     s.finish().await;

@@ -28,7 +28,8 @@ use crate::api::Api;
 use crate::error::{Error, Result};
 use crate::Cluster;
 
-/// Configuration of one elector. Defaults follow client-go (15 s / 10 s / 2 s).
+/// Configuration of one elector. Defaults: the leader-election flags' (client-go's
+/// 15 s / 10 s / 2 s, see [`crate::cli`]).
 #[derive(Debug, Clone)]
 pub struct LeaderElectionConfig {
     pub namespace: String,
@@ -48,14 +49,17 @@ pub struct LeaderElectionConfig {
 
 impl LeaderElectionConfig {
     pub fn new(namespace: &str, lease_name: &str, identity: &str) -> Self {
+        use crate::cli::{
+            default_duration, LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD, UNHEALTHY_AFTER,
+        };
         LeaderElectionConfig {
             namespace: namespace.to_string(),
             lease_name: lease_name.to_string(),
             identity: identity.to_string(),
-            lease_duration: Duration::from_secs(15),
-            renew_deadline: Duration::from_secs(10),
-            retry_period: Duration::from_secs(2),
-            unhealthy_after: ELECTION_UNHEALTHY_AFTER,
+            lease_duration: default_duration(LEASE_DURATION),
+            renew_deadline: default_duration(RENEW_DEADLINE),
+            retry_period: default_duration(RETRY_PERIOD),
+            unhealthy_after: default_duration(UNHEALTHY_AFTER),
         }
     }
 
@@ -325,12 +329,6 @@ impl LeaderElector {
         }
     }
 }
-
-/// How long an election may go without an answer from the API server before
-/// the process reports itself unhealthy (see [`LeaderHandle::healthy`]): long
-/// enough to ride out an API-server restart, short enough that a Forbidden
-/// lease (missing RBAC, wrong namespace) is noticed within minutes.
-pub const ELECTION_UNHEALTHY_AFTER: Duration = Duration::from_secs(120);
 
 /// The running election loop of one candidate.
 pub struct LeaderHandle {

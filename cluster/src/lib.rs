@@ -59,6 +59,7 @@ pub mod cli;
 pub mod embedded;
 mod error;
 mod events;
+pub mod http;
 mod kube_backend;
 mod leader;
 mod object;
@@ -78,7 +79,7 @@ pub use api::{Api, WatchStream};
 pub use embedded::EmbeddedConfig;
 pub use error::{Error, Result};
 pub use events::{object_ref, EventRecorder, EventType};
-pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle, ELECTION_UNHEALTHY_AFTER};
+pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle};
 pub use object::{HasStatus, Object};
 pub use params::{
     DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, Preconditions, WatchEvent,

@@ -1560,11 +1560,14 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
             "{name}: leave the {gate} feature gate at its default (--feature-gates={gates})"
         );
     }
+    // Election is off unless asked, in the sidecars and in fencecsi's own binaries alike.
     for name in [
         "csi-provisioner",
         "csi-resizer",
         "csi-snapshotter",
         "csi-health-monitor",
+        "fencecsi-attacher",
+        "fencecsi-podgc",
     ] {
         let v = flag(container(&pod, name), "leader-election");
         assert!(
@@ -2215,6 +2218,21 @@ fn probes_hit_the_ports_the_processes_serve() {
                 (p, c)
             }))
             .collect();
+        // Our own binaries take the sidecars' form, every interface as ":PORT", like the
+        // sidecars beside them.
+        for c in pod
+            .containers
+            .iter()
+            .filter(|c| fencecsi_binary(c).is_some())
+        {
+            if let Some(e) = flag(c, "http-endpoint") {
+                assert!(
+                    e.starts_with(':'),
+                    "{workload}/{}: --http-endpoint={e}, not the :PORT form",
+                    c.name
+                );
+            }
+        }
         // The plugin's liveness goes through the livenessprobe sidecar (Probe RPC).
         let driver = driver_container(&pod);
         let probe = driver
@@ -2251,7 +2269,8 @@ fn probes_hit_the_ports_the_processes_serve() {
                 .as_ref()
                 .and_then(|p| p.http_get.as_ref())
                 .unwrap_or_else(|| panic!("{}: readiness probe", c.name));
-            assert_eq!(ready.path.as_deref(), Some("/healthz"), "{}", c.name);
+            // Ready means running (a standby too); alive is /healthz.
+            assert_eq!(ready.path.as_deref(), Some("/readyz"), "{}", c.name);
             assert_eq!(
                 port_number(c, &ready.port),
                 serves,
@@ -2259,6 +2278,7 @@ fn probes_hit_the_ports_the_processes_serve() {
                 c.name
             );
             if let Some(l) = c.liveness_probe.as_ref().and_then(|p| p.http_get.as_ref()) {
+                assert_eq!(l.path.as_deref(), Some("/healthz"), "{}", c.name);
                 assert_eq!(
                     port_number(c, &l.port),
                     serves,

@@ -6,6 +6,15 @@ use clap::{Parser, ValueEnum};
 
 pub const DEFAULT_DRIVER_NAME: &str = "loop.fencecsi.io";
 
+// Defaults the flags and [`Config::local`] share (each written once, here or as the
+// enum's `#[default]`).
+pub const DEFAULT_MAX_VOLUMES_PER_NODE: i64 = 64;
+pub const DEFAULT_FS_TYPE: &str = "ext4";
+pub const DEFAULT_GC_INTERVAL: &str = "10s";
+pub const DEFAULT_MAX_FREEZE: &str = "10s";
+pub const DEFAULT_OVERCOMMIT_RATIO: f64 = 1.0;
+pub const DEFAULT_CAPACITY_RESERVE: CapacityReserve = CapacityReserve::Percent(5.0);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
     /// Identity + Controller: volume lifecycle, attachments and fences.
@@ -26,11 +35,12 @@ impl Mode {
 }
 
 /// When the fence extensions (UNPUBLISH_FENCE, FORCE_UNPUBLISH) are advertised.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum Extensions {
     /// Only to callers that send the `x-fencecsi-extensions` request header
     /// (fencecsi's attacher does): standard COs, sidecars and conformance
     /// suites that reject unknown capability values see a standard driver.
+    #[default]
     Negotiated,
     /// To every caller.
     Always,
@@ -51,7 +61,8 @@ impl Extensions {
     }
 }
 
-pub use fencecsi_cluster::cli::{parse_duration, LogFormat};
+pub use fencecsi_cluster::cli::{default_duration, parse_duration, LogFormat};
+pub use fencecsi_cluster::http::HttpEndpoint;
 
 /// `--max-freeze`: a duration of at least one second (a freeze shorter than
 /// that would refuse even small copies on a busy machine).
@@ -184,11 +195,11 @@ pub struct Config {
     pub driver_name: String,
 
     /// Maximum number of volumes attached to one node (0 = no limit).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = DEFAULT_MAX_VOLUMES_PER_NODE)]
     pub max_volumes_per_node: i64,
 
     /// Filesystem used when neither the StorageClass nor the capability names one.
-    #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
+    #[arg(long, default_value = DEFAULT_FS_TYPE, value_parser = ["ext4", "xfs"])]
     pub default_fs_type: String,
 
     /// Attach loop devices with direct I/O to the image. Off by default:
@@ -201,16 +212,16 @@ pub struct Config {
     pub direct_io: bool,
 
     /// When to advertise the fence extension capabilities (numbered 1000).
-    #[arg(long, value_enum, default_value = "negotiated")]
+    #[arg(long, value_enum, default_value_t)]
     pub advertise_extensions: Extensions,
 
     /// Log format.
-    #[arg(long, value_enum, default_value = "text")]
+    #[arg(long, value_enum, default_value_t)]
     pub log_format: LogFormat,
 
     /// How often the controller garbage-collects fenced generations no
     /// longer held by any loop device ("10s", "2m", or plain seconds; at least 1s).
-    #[arg(long = "gc-interval", alias = "gc-interval-secs", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long = "gc-interval", default_value = DEFAULT_GC_INTERVAL, value_parser = parse_duration)]
     pub gc_interval: std::time::Duration,
 
     /// The longest the controller keeps a volume's filesystem frozen for a
@@ -220,7 +231,7 @@ pub struct Config {
     /// reflink; elsewhere (ext4) it lasts a full copy of the volume's data, and
     /// a copy that would take longer is stopped, its writers let go, and the
     /// call refused (FAILED_PRECONDITION). See `controller::quiesce`.
-    #[arg(long = "max-freeze", default_value = "10s", value_parser = parse_max_freeze)]
+    #[arg(long = "max-freeze", default_value = DEFAULT_MAX_FREEZE, value_parser = parse_max_freeze)]
     pub max_freeze: std::time::Duration,
 
     /// Node return: how often the node plugin looks for volumes whose attachment was
@@ -245,9 +256,14 @@ pub struct Config {
     #[command(flatten)]
     pub kube: fencecsi_cluster::cli::KubeArgs,
 
-    /// Controller plugin leadership (several replicas, one serving the state dir).
+    /// Controller plugin leadership (several replicas, one serving the state dir): see
+    /// `leadership`.
     #[command(flatten)]
-    pub election: crate::leadership::ElectionArgs,
+    pub election: fencecsi_cluster::cli::LeaderElectionArgs,
+
+    /// This replica's name in the controller plugin's Lease.
+    #[command(flatten)]
+    pub identity: fencecsi_cluster::cli::IdentityArgs,
 
     /// Node-local state: the identity of the state dir this node last saw (node recovery
     /// refuses to act on another one). Must survive plugin restarts and must not lie in
@@ -262,23 +278,24 @@ pub struct Config {
     #[arg(long)]
     pub state_dir_must_be_mount: bool,
 
-    /// Serve Prometheus metrics (`GET /metrics`, OpenMetrics text) on this address, e.g.
-    /// "0.0.0.0:9811"; port 0 picks a free port (logged). Unset: no HTTP server.
+    /// Serve /metrics (Prometheus, OpenMetrics text), /healthz and /readyz (what the
+    /// Probe RPC answers) on this address: ":9811" (all interfaces), "127.0.0.1:9811" or
+    /// "[::1]:9811"; port 0 picks a free port (logged). Unset: no HTTP server.
     #[arg(long)]
-    pub http_endpoint: Option<std::net::SocketAddr>,
+    pub http_endpoint: Option<HttpEndpoint>,
 
     /// Capacity: how many times the backend's usable space (its filesystem's size less
     /// --capacity-reserve) the provisioned volumes may add up to. Images are sparse, so a
     /// ratio above 1 promises space that is not there: once the volumes are written, the
     /// filesystem fills up and writes inside pods fail. 1 (the default) promises only what
     /// every image can get when written in full. A number, at least 1.
-    #[arg(long, default_value = "1", value_parser = parse_overcommit_ratio)]
+    #[arg(long, default_value_t = DEFAULT_OVERCOMMIT_RATIO, value_parser = parse_overcommit_ratio)]
     pub overcommit_ratio: f64,
 
     /// Capacity: space of the state dir's filesystem never promised to volumes (metadata,
     /// the fence probe, fence markers, whatever else lives there): a share of the
     /// filesystem's size ("5%") or a size ("2GiB", "512MiB", "10G", plain bytes).
-    #[arg(long, default_value = "5%", value_parser = parse_reserve)]
+    #[arg(long, default_value_t = DEFAULT_CAPACITY_RESERVE, value_parser = parse_reserve)]
     pub capacity_reserve: CapacityReserve,
 
     /// Where the kernel boot ID is read from (the topology value of a new state dir).
@@ -354,13 +371,13 @@ impl Config {
             state_dir,
             kubelet_dir,
             driver_name: DEFAULT_DRIVER_NAME.to_string(),
-            max_volumes_per_node: 64,
-            default_fs_type: "ext4".into(),
+            max_volumes_per_node: DEFAULT_MAX_VOLUMES_PER_NODE,
+            default_fs_type: DEFAULT_FS_TYPE.into(),
             direct_io: false,
-            advertise_extensions: Extensions::Negotiated,
-            log_format: LogFormat::Text,
-            gc_interval: std::time::Duration::from_secs(10),
-            max_freeze: std::time::Duration::from_secs(10),
+            advertise_extensions: Extensions::default(),
+            log_format: LogFormat::default(),
+            gc_interval: default_duration(DEFAULT_GC_INTERVAL),
+            max_freeze: default_duration(DEFAULT_MAX_FREEZE),
             // Off for tests and embedders unless they ask: a background pass would race
             // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
             recover_interval: std::time::Duration::ZERO,
@@ -368,11 +385,12 @@ impl Config {
             node_name: None,
             kube: Default::default(),
             election: Default::default(),
+            identity: Default::default(),
             node_state_dir: None,
             state_dir_must_be_mount: false,
             http_endpoint: None,
-            overcommit_ratio: 1.0,
-            capacity_reserve: CapacityReserve::Percent(5.0),
+            overcommit_ratio: DEFAULT_OVERCOMMIT_RATIO,
+            capacity_reserve: DEFAULT_CAPACITY_RESERVE,
             boot_id_file: PathBuf::from(crate::state_id::BOOT_ID_PATH),
         }
     }
@@ -422,6 +440,61 @@ mod tests {
             Config::try_parse_from(base.iter().copied().chain(["--max-freeze=1500ms"])).unwrap();
         assert_eq!(cfg.max_freeze, std::time::Duration::from_millis(1500));
         for bad in ["--max-freeze=500ms", "--max-freeze=0", "--max-freeze=soon"] {
+            assert!(
+                Config::try_parse_from(base.iter().copied().chain([bad])).is_err(),
+                "{bad} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn the_local_config_has_the_flags_defaults() {
+        let flags = Config::try_parse_from(["fencecsi-driver"]).unwrap();
+        let local = Config::local(
+            flags.mode,
+            None,
+            flags.state_dir.clone(),
+            flags.kubelet_dir.clone(),
+            "/csi/csi.sock".into(),
+        );
+        assert_eq!(local.driver_name, flags.driver_name);
+        assert_eq!(local.max_volumes_per_node, flags.max_volumes_per_node);
+        assert_eq!(local.default_fs_type, flags.default_fs_type);
+        assert_eq!(local.direct_io, flags.direct_io);
+        assert_eq!(local.advertise_extensions, flags.advertise_extensions);
+        assert_eq!(local.log_format, flags.log_format);
+        assert_eq!(local.gc_interval, flags.gc_interval);
+        assert_eq!(local.max_freeze, flags.max_freeze);
+        assert_eq!(local.report_node_clean, flags.report_node_clean);
+        assert_eq!(local.node_state_dir, flags.node_state_dir);
+        assert_eq!(local.state_dir_must_be_mount, flags.state_dir_must_be_mount);
+        assert_eq!(local.http_endpoint, flags.http_endpoint);
+        assert_eq!(local.overcommit_ratio, flags.overcommit_ratio);
+        assert_eq!(local.capacity_reserve, flags.capacity_reserve);
+        assert_eq!(local.boot_id_file, flags.boot_id_file);
+        assert_eq!(local.identity.name, flags.identity.name);
+        // The namespace comes from POD_NAMESPACE for the flags, never for `local`.
+        let flags_election = fencecsi_cluster::cli::LeaderElectionArgs {
+            namespace: None,
+            ..flags.election
+        };
+        assert_eq!(local.election, flags_election);
+        // On purpose: no background recovery pass unless a test asks for one.
+        assert_eq!(local.recover_interval, std::time::Duration::ZERO);
+    }
+
+    #[test]
+    fn the_http_endpoint_takes_the_sidecars_form_and_is_off_by_default() {
+        let base = ["fencecsi-driver", "--mode=controller"];
+        assert_eq!(Config::try_parse_from(base).unwrap().http_endpoint, None);
+        let cfg =
+            Config::try_parse_from(base.iter().copied().chain(["--http-endpoint=:9811"])).unwrap();
+        assert_eq!(cfg.http_endpoint, Some(HttpEndpoint::any(9811)));
+        for bad in [
+            "--http-endpoint=9811",
+            "--http-endpoint=",
+            "--http-endpoint=host:1",
+        ] {
             assert!(
                 Config::try_parse_from(base.iter().copied().chain([bad])).is_err(),
                 "{bad} accepted"

@@ -1,80 +1,42 @@
-//! `/metrics` over plain HTTP/1 (hyper), when `--http-endpoint` is set. Liveness is not
-//! served here: the livenessprobe sidecar calls the plugin's Probe RPC.
+//! What the plugin reports on `--http-endpoint` (served by [`fencecsi_cluster::http`]):
+//!
+//! - `/metrics`: [`Metrics`];
+//! - `/healthz` and `/readyz`: what the Probe RPC answers (`identity`): not while node
+//!   recovery refuses a state dir that looks wrong. The server runs while the plugin
+//!   serves its socket; a controller plugin standing by for its Lease serves neither yet.
+//!
+//! In the deploy manifests the kubelet still probes the livenessprobe sidecar, which calls
+//! Probe: the same answer, the way every CSI plugin is probed.
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
-use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::Full;
-use hyper::body::{Bytes, Incoming};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
-use tokio::task::JoinSet;
+use crate::metrics::Metrics;
+use crate::node::state_guard::StateGuard;
 
-use crate::metrics::{Metrics, CONTENT_TYPE};
+pub struct Report {
+    metrics: Arc<Metrics>,
+    /// The node plugin's state dir check (node modes).
+    state_guard: Option<Arc<StateGuard>>,
+}
 
-/// Serves `listener` until this future is dropped (it owns the connections).
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
-    let mut conns = JoinSet::new();
-    loop {
-        while conns.try_join_next().is_some() {}
-        let (stream, _) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting an HTTP connection failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let metrics = metrics.clone();
-        conns.spawn(async move {
-            let svc = service_fn(move |req: Request<Incoming>| {
-                let metrics = metrics.clone();
-                async move { Ok::<_, Infallible>(respond(&req, metrics).await) }
-            });
-            if let Err(e) = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await
-            {
-                tracing::debug!(error = %e, "HTTP connection ended with an error");
-            }
-        });
+impl Report {
+    pub fn new(metrics: Arc<Metrics>, state_guard: Option<Arc<StateGuard>>) -> Arc<Self> {
+        Arc::new(Report {
+            metrics,
+            state_guard,
+        })
     }
 }
 
-fn reply(code: StatusCode, ctype: &str, body: String) -> Response<Full<Bytes>> {
-    Response::builder()
-        .status(code)
-        .header(header::CONTENT_TYPE, ctype)
-        .body(Full::new(Bytes::from(body)))
-        .expect("static response parts are valid")
-}
+impl fencecsi_cluster::http::Report for Report {
+    fn metrics(&self) -> String {
+        self.metrics.encode()
+    }
 
-async fn respond(req: &Request<Incoming>, metrics: Arc<Metrics>) -> Response<Full<Bytes>> {
-    if req.uri().path() != "/metrics" {
-        return reply(
-            StatusCode::NOT_FOUND,
-            "text/plain",
-            "not found: try /metrics\n".into(),
-        );
-    }
-    if req.method() != Method::GET && req.method() != Method::HEAD {
-        return reply(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "text/plain",
-            "GET only\n".into(),
-        );
-    }
-    // The loop device gauge lists devices with ioctls: off the async workers.
-    match tokio::task::spawn_blocking(move || metrics.encode()).await {
-        Ok(text) => reply(StatusCode::OK, CONTENT_TYPE, text),
-        Err(e) => reply(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "text/plain",
-            format!("encoding metrics failed: {e}\n"),
-        ),
+    fn healthz(&self) -> Result<(), String> {
+        match self.state_guard.as_ref().and_then(|g| g.refusal()) {
+            Some(why) => Err(format!("node recovery refuses the state dir: {why}")),
+            None => Ok(()),
+        }
     }
 }

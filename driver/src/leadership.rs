@@ -25,7 +25,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser};
 use fencecsi_cluster::{Cluster, LeaderElectionConfig, LeaderElector, LeaderHandle};
 use fencecsi_proto::v1::controller_server::{Controller as CsiController, ControllerServer};
 use fencecsi_proto::v1::identity_server::IdentityServer;
@@ -33,7 +32,7 @@ use fencecsi_proto::v1::*;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
-use crate::config::{parse_duration, Config};
+use crate::config::Config;
 use crate::controller::Controller;
 use crate::identity::IdentityService;
 use crate::server::{bind, ServeError};
@@ -41,80 +40,15 @@ use crate::server::{bind, ServeError};
 /// The exit code of a leader that lost its Lease.
 pub const LOST_LEADERSHIP_EXIT: i32 = 3;
 
-/// The leader-election flags of the controller plugin. Off unless asked: a plugin without
-/// an API server (local use, csi-sanity) simply owns its state dir.
-#[derive(Debug, Clone, Args)]
-pub struct ElectionArgs {
-    /// Controller plugin: serve the state dir only while holding a Lease (run several
-    /// replicas; a standby takes over once the leader's Lease expires, and a leader that
-    /// cannot renew it exits). Needs an API server (in-cluster config or --kubeconfig).
-    #[arg(long = "leader-election", default_value_t = false,
-          num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
-    pub enabled: bool,
-    /// Namespace of the Lease; default: the pod's own (POD_NAMESPACE, else the
-    /// service-account namespace file, else "default").
-    #[arg(long = "leader-election-namespace", env = "POD_NAMESPACE")]
-    pub namespace: Option<String>,
-    /// Name of the Lease.
-    #[arg(
-        long = "leader-election-lease-name",
-        default_value = "fencecsi-controller-plugin"
-    )]
-    pub lease_name: String,
-    /// How long a standby waits, after the Lease last changed, before it takes it over.
-    #[arg(long = "leader-election-lease-duration", default_value = "15s", value_parser = parse_duration)]
-    pub lease_duration: Duration,
-    /// How long a leader goes on without a renewal before it exits (below the lease duration).
-    #[arg(long = "leader-election-renew-deadline", default_value = "10s", value_parser = parse_duration)]
-    pub renew_deadline: Duration,
-    /// How often candidates try to take or renew the Lease.
-    #[arg(long = "leader-election-retry-period", default_value = "2s", value_parser = parse_duration)]
-    pub retry_period: Duration,
-    /// This replica's identity in the Lease; default: the pod's name (POD_NAME), else the
-    /// host name and a random suffix.
-    #[arg(long = "identity", env = "POD_NAME")]
-    pub identity: Option<String>,
-}
+/// The controller plugin's Lease unless `--leader-election-lease-name` names another.
+pub const LEASE_NAME: &str = "fencecsi-controller-plugin";
 
-/// Only for [`ElectionArgs::default`]: the defaults are the flags' own.
-#[derive(Parser)]
-struct DefaultsOnly {
-    #[command(flatten)]
-    election: ElectionArgs,
-}
-
-impl Default for ElectionArgs {
-    fn default() -> Self {
-        DefaultsOnly::parse_from(["fencecsi-driver"]).election
-    }
-}
-
-impl ElectionArgs {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.enabled && self.renew_deadline >= self.lease_duration {
-            return Err(
-                "--leader-election-renew-deadline must be shorter than --leader-election-lease-duration"
-                    .into(),
-            );
-        }
-        Ok(())
-    }
-
-    fn config(&self) -> LeaderElectionConfig {
-        let ns = self
-            .namespace
-            .clone()
-            .unwrap_or_else(fencecsi_cluster::cli::own_namespace);
-        let identity = self
-            .identity
-            .clone()
-            .unwrap_or_else(|| fencecsi_cluster::cli::default_identity("fencecsi-driver"));
-        LeaderElectionConfig::new(&ns, &self.lease_name, &identity).with_timing(
-            self.lease_duration,
-            self.renew_deadline,
-            self.retry_period,
-        )
-    }
+/// The election of this controller plugin (`--leader-election` and the flags beside it).
+fn election_config(cfg: &Config) -> Result<LeaderElectionConfig, ServeError> {
+    let identity = cfg.identity.resolve("fencecsi-driver");
+    cfg.election
+        .config(LEASE_NAME, &identity)
+        .ok_or_else(|| ServeError::Config("leader election is off".into()))
 }
 
 /// What the plugin does when it stops leading; the default exits the process.
@@ -137,7 +71,7 @@ pub async fn lead(
             ServeError::Config(format!("--leader-election needs an API server: {e}"))
         })?,
     };
-    let election = cfg.election.config();
+    let election = election_config(cfg)?;
     let elector = LeaderElector::new(&cluster, election.clone())
         .map_err(|e| ServeError::Config(format!("leader election: {e}")))?;
     let mut handle = elector.spawn();

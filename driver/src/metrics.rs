@@ -37,9 +37,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tonic::Code;
 
-/// Content type of [`Metrics::encode`]'s output.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
 /// Values of the `result` label of the fence histogram (as the attacher's metrics spell them).
 pub const SUCCESS: &str = "success";
 pub const ERROR: &str = "error";

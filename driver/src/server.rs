@@ -85,8 +85,8 @@ pub struct ServeHooks {
 /// What an embedder learns about the plugin's metrics (see [`serve_with_metrics`]).
 #[derive(Default)]
 pub struct MetricsHooks {
-    /// Receives the address `/metrics` is served on once it is bound (with
-    /// `--http-endpoint` set; useful with port 0).
+    /// Receives the address `/metrics`, `/healthz` and `/readyz` are served on once it is
+    /// bound (with `--http-endpoint` set; useful with port 0).
     pub http_endpoint: Option<tokio::sync::oneshot::Sender<std::net::SocketAddr>>,
 }
 
@@ -136,20 +136,17 @@ pub async fn serve_with_metrics(
     ));
     // Bound before the socket, so that a taken port fails the start instead of going
     // unnoticed; served until the gRPC server has stopped.
-    let http = match cfg.http_endpoint {
-        Some(addr) => {
-            let l = tokio::net::TcpListener::bind(addr)
+    let http = match &cfg.http_endpoint {
+        Some(endpoint) => {
+            let report =
+                crate::http::Report::new(metrics.clone(), node.as_ref().map(|n| n.guard.clone()));
+            let server = fencecsi_cluster::http::start(endpoint, report)
                 .await
-                .map_err(io(&format!("binding --http-endpoint {addr}")))?;
-            let local = l.local_addr().map_err(io("reading the HTTP address"))?;
-            tracing::info!(addr = %local, "serving /metrics");
+                .map_err(io(&format!("binding --http-endpoint {endpoint}")))?;
             if let Some(tx) = metrics_hooks.http_endpoint {
-                let _ = tx.send(local);
+                let _ = tx.send(server.local_addr());
             }
-            Some(AbortOnDrop(tokio::spawn(crate::http::serve(
-                l,
-                metrics.clone(),
-            ))))
+            Some(server)
         }
         None => None,
     };
@@ -235,23 +232,6 @@ pub async fn serve_with_metrics(
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped; socket removed, volumes left mounted");
     Ok(result?)
-}
-
-/// A task that ends with its owner (also on an early return with an error).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl AbortOnDrop {
-    /// Ends the task and waits until it is gone (its listener closed).
-    async fn stop(mut self) {
-        self.0.abort();
-        let _ = (&mut self.0).await;
-    }
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 fn spawn_gc(

@@ -2,7 +2,17 @@
 
 use std::time::Duration;
 
+use fencecsi_cluster::cli::default_duration;
 use fencecsi_cluster::LeaderElectionConfig;
+
+/// The binary's name: the fallback of its default identity, and its Lease's default name.
+pub const NAME: &str = "fencecsi-podgc";
+
+// Defaults the flags (src/main.rs) and [`PodGcConfig::default`] share.
+pub const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
+pub const DEFAULT_NODE_LEASE_GRACE: &str = "15s";
+pub const DEFAULT_MAX_UNHEALTHY_FRACTION: f64 = 0.55;
+pub const DEFAULT_RESYNC_INTERVAL: &str = "5s";
 
 /// What podgc does and when.
 #[derive(Debug, Clone)]
@@ -40,34 +50,71 @@ pub struct PodGcConfig {
 impl Default for PodGcConfig {
     fn default() -> Self {
         PodGcConfig {
-            shutdown_grace: Duration::from_secs(30),
-            node_lease_grace: Some(Duration::from_secs(15)),
-            max_unhealthy_fraction: 0.55,
+            shutdown_grace: default_duration(DEFAULT_SHUTDOWN_GRACE),
+            node_lease_grace: Some(default_duration(DEFAULT_NODE_LEASE_GRACE)),
+            max_unhealthy_fraction: DEFAULT_MAX_UNHEALTHY_FRACTION,
             out_of_service_taint: false,
-            resync_interval: Duration::from_secs(5),
+            resync_interval: default_duration(DEFAULT_RESYNC_INTERVAL),
             debounce: Duration::from_millis(50),
-            identity: default_identity(),
+            identity: fencecsi_cluster::cli::default_identity(NAME),
             leader_election: None,
         }
     }
 }
 
-/// See [`fencecsi_cluster::cli::default_identity`].
-pub fn default_identity() -> String {
-    fencecsi_cluster::cli::default_identity("podgc")
+/// What [`PodGcConfig::validate`] rejects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("max_unhealthy_fraction must be in (0, 1]")]
+    MaxUnhealthyFraction,
+    #[error("resync_interval must be > 0")]
+    ZeroResyncInterval,
+    #[error("identity must not be empty")]
+    EmptyIdentity,
 }
 
 impl PodGcConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if !(self.max_unhealthy_fraction > 0.0 && self.max_unhealthy_fraction <= 1.0) {
-            return Err("max_unhealthy_fraction must be in (0, 1]".into());
+            return Err(ConfigError::MaxUnhealthyFraction);
         }
         if self.resync_interval.is_zero() {
-            return Err("resync_interval must be > 0".into());
+            return Err(ConfigError::ZeroResyncInterval);
         }
         if self.identity.is_empty() {
-            return Err("identity must not be empty".into());
+            return Err(ConfigError::EmptyIdentity);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The binary reports these texts as they are.
+    #[test]
+    fn validate_names_what_is_wrong() {
+        let ok = PodGcConfig::default();
+        assert_eq!(ok.validate(), Ok(()));
+        let mut c = ok.clone();
+        c.max_unhealthy_fraction = 0.0;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "max_unhealthy_fraction must be in (0, 1]"
+        );
+        let mut c = ok.clone();
+        c.resync_interval = Duration::ZERO;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "resync_interval must be > 0"
+        );
+        let mut c = ok;
+        c.identity.clear();
+        assert_eq!(c.validate(), Err(ConfigError::EmptyIdentity));
+        assert_eq!(
+            ConfigError::EmptyIdentity.to_string(),
+            "identity must not be empty"
+        );
     }
 }

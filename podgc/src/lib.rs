@@ -38,12 +38,14 @@
 
 pub mod config;
 pub mod controller;
+mod error;
 pub mod http;
 pub mod metrics;
 pub mod volumes;
 
-pub use config::PodGcConfig;
+pub use config::{ConfigError, PodGcConfig};
 pub use controller::{disrupt_and_delete, DeleteResult, PassSummary, PodGc, PodGcHandle};
+pub use error::{Error, Result};
 pub use metrics::Metrics;
 
 /// Annotations podgc keeps on a quarantined node besides the shared ones in

@@ -1,8 +1,14 @@
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, Parser};
-use fencecsi_cluster::cli::{parse_duration, KubeArgs, LeaderElectionArgs, LogFormat};
+use fencecsi_cluster::cli::{
+    parse_duration, IdentityArgs, KubeArgs, LeaderElectionArgs, LogFormat,
+};
+use fencecsi_cluster::http::HttpEndpoint;
+use fencecsi_podgc::config::{
+    DEFAULT_MAX_UNHEALTHY_FRACTION, DEFAULT_NODE_LEASE_GRACE, DEFAULT_RESYNC_INTERVAL,
+    DEFAULT_SHUTDOWN_GRACE, NAME,
+};
 use fencecsi_podgc::{PodGc, PodGcConfig};
 
 /// fencecsi podgc: force-deletes the stuck stateful pods of nodes that shut down, safely.
@@ -16,12 +22,12 @@ use fencecsi_podgc::{PodGc, PodGcConfig};
 /// detaches them with a write fence. The quarantine is lifted once the node is Ready,
 /// holds no such VolumeAttachment, and its node plugin reported it clean.
 #[derive(Debug, Parser)]
-#[command(name = "fencecsi-podgc", version, about, long_about)]
+#[command(name = NAME, version, about, long_about)]
 struct Cli {
     #[command(flatten)]
     run: RunArgs,
     /// Log format.
-    #[arg(long, value_enum, default_value = "text")]
+    #[arg(long, value_enum, default_value_t)]
     log_format: LogFormat,
 }
 
@@ -32,17 +38,17 @@ struct RunArgs {
 
     /// How long a node's Ready condition must have been False/Unknown (from its
     /// lastTransitionTime) before podgc acts.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_SHUTDOWN_GRACE, value_parser = parse_duration)]
     shutdown_grace: Duration,
 
     /// Act on a node once its Lease in kube-node-lease has not been renewed for this long,
     /// without waiting for NotReady (the kubelet renews every 10 s; the fence makes acting
     /// on a node that is only slow cost a pod restart, not data). 0 disables.
-    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_NODE_LEASE_GRACE, value_parser = parse_duration)]
     node_lease_grace: Duration,
 
     /// Disruption mode: do nothing while more than this fraction of nodes is NotReady.
-    #[arg(long, default_value_t = 0.55)]
+    #[arg(long, default_value_t = DEFAULT_MAX_UNHEALTHY_FRACTION)]
     max_unhealthy_fraction: f64,
 
     /// Also taint quarantined nodes node.kubernetes.io/out-of-service=nodeshutdown:NoExecute
@@ -52,67 +58,64 @@ struct RunArgs {
     out_of_service_taint: bool,
 
     /// A full pass at least this often.
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, default_value = DEFAULT_RESYNC_INTERVAL, value_parser = parse_duration)]
     resync_interval: Duration,
 
-    /// Serve /metrics (Prometheus) and /healthz here.
-    #[arg(long, default_value = "0.0.0.0:9809")]
-    http_endpoint: SocketAddr,
+    /// Serve /metrics (Prometheus), /healthz and /readyz (both fail once the controller
+    /// loop has stalled) on this address: ":9809" (all interfaces), "127.0.0.1:9809" or
+    /// "[::1]:9809". Unset: no HTTP server.
+    #[arg(long)]
+    http_endpoint: Option<HttpEndpoint>,
 
+    /// Leader election on a Lease (default name fencecsi-podgc), so that of several
+    /// replicas only one acts.
     #[command(flatten)]
     leader_election: LeaderElectionArgs,
 
-    /// This instance's identity (Events, leader election); default: hostname + random.
-    #[arg(long, env = "POD_NAME")]
-    identity: Option<String>,
+    #[command(flatten)]
+    identity: IdentityArgs,
+}
+
+impl RunArgs {
+    fn config(&self) -> Result<PodGcConfig, String> {
+        self.leader_election.validate()?;
+        let identity = self.identity.resolve(NAME);
+        let cfg = PodGcConfig {
+            shutdown_grace: self.shutdown_grace,
+            node_lease_grace: Some(self.node_lease_grace).filter(|d| !d.is_zero()),
+            max_unhealthy_fraction: self.max_unhealthy_fraction,
+            out_of_service_taint: self.out_of_service_taint,
+            resync_interval: self.resync_interval,
+            leader_election: self.leader_election.config(NAME, &identity),
+            identity,
+            ..Default::default()
+        };
+        cfg.validate().map_err(|e| e.to_string())?;
+        Ok(cfg)
+    }
 }
 
 async fn run(a: RunArgs) -> anyhow::Result<()> {
-    let identity = a
-        .identity
-        .clone()
-        .unwrap_or_else(fencecsi_podgc::config::default_identity);
-    let cfg = PodGcConfig {
-        shutdown_grace: a.shutdown_grace,
-        node_lease_grace: Some(a.node_lease_grace).filter(|d| !d.is_zero()),
-        max_unhealthy_fraction: a.max_unhealthy_fraction,
-        out_of_service_taint: a.out_of_service_taint,
-        resync_interval: a.resync_interval,
-        leader_election: a.leader_election.config("fencecsi-podgc", &identity),
-        identity,
-        ..Default::default()
-    };
-    cfg.validate().map_err(anyhow::Error::msg)?;
+    let cfg = a.config().map_err(anyhow::Error::msg)?;
     let cluster = a.kube.connect().await?;
     let podgc = PodGc::new(cluster, cfg);
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http = {
-        let metrics = podgc.metrics();
-        let live = podgc.liveness();
-        let mut rx = stop_rx.clone();
-        let addr = a.http_endpoint;
-        tokio::spawn(async move {
-            let stop = async move {
-                let _ = rx.wait_for(|v| *v).await;
-            };
-            fencecsi_podgc::http::serve(addr, metrics, live, stop, None).await
-        })
+    // Bound before the controller starts, so that a taken port fails the start.
+    let http = match &a.http_endpoint {
+        Some(e) => Some(
+            fencecsi_cluster::http::start(e, podgc.report())
+                .await
+                .map_err(|err| anyhow::anyhow!("binding --http-endpoint {e}: {err}"))?,
+        ),
+        None => None,
     };
-    let mut rx = stop_rx.clone();
-    let controller = tokio::spawn(podgc.run(async move {
-        let _ = rx.wait_for(|v| *v).await;
-    }));
-    tokio::select! {
-        _ = fencecsi_cluster::cli::shutdown_signal("finishing the current pass") => {}
-        r = http => {
-            match r {
-                Ok(Err(e)) => anyhow::bail!("http endpoint {}: {e}", a.http_endpoint),
-                other => tracing::warn!(?other, "http server ended"),
-            }
-        }
+    podgc
+        .run(fencecsi_cluster::cli::shutdown_signal(
+            "finishing the current pass",
+        ))
+        .await?;
+    if let Some(h) = http {
+        h.stop().await;
     }
-    let _ = stop_tx.send(true);
-    controller.await??;
     Ok(())
 }
 
@@ -128,5 +131,48 @@ fn main() {
         tracing::error!(error = %e, "fencecsi-podgc failed");
         eprintln!("fencecsi-podgc: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flags_defaults_are_the_library_defaults() {
+        let cli = Cli::try_parse_from([NAME]).unwrap();
+        let flags = cli.run.config().unwrap();
+        let lib = PodGcConfig::default();
+        assert_eq!(flags.shutdown_grace, lib.shutdown_grace);
+        assert_eq!(flags.node_lease_grace, lib.node_lease_grace);
+        assert_eq!(flags.max_unhealthy_fraction, lib.max_unhealthy_fraction);
+        assert_eq!(flags.out_of_service_taint, lib.out_of_service_taint);
+        assert_eq!(flags.resync_interval, lib.resync_interval);
+        assert!(flags.leader_election.is_none() && lib.leader_election.is_none());
+        assert_eq!(cli.run.http_endpoint, None, "no HTTP unless asked");
+    }
+
+    #[test]
+    fn the_shared_flags_parse() {
+        let cli = Cli::try_parse_from([
+            NAME,
+            "--http-endpoint=:9809",
+            "--leader-election=true",
+            "--leader-election-namespace=fencecsi",
+            "--identity=podgc-0",
+        ])
+        .unwrap();
+        assert_eq!(cli.run.http_endpoint, Some(HttpEndpoint::any(9809)));
+        let cfg = cli.run.config().unwrap();
+        assert_eq!(cfg.identity, "podgc-0");
+        let le = cfg.leader_election.unwrap();
+        assert_eq!(
+            (le.namespace.as_str(), le.lease_name.as_str()),
+            ("fencecsi", NAME)
+        );
+        assert_eq!(le.identity, "podgc-0");
+        for bad in ["--http-endpoint=0.0.0.0", "--http-endpoint="] {
+            assert!(Cli::try_parse_from([NAME, bad]).is_err(), "{bad} accepted");
+        }
     }
 }

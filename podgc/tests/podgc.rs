@@ -1046,22 +1046,14 @@ async fn simulated_node_shutdown_and_return() {
 }
 
 #[tokio::test]
-async fn metrics_and_healthz_are_served() {
+async fn metrics_healthz_and_readyz_are_served() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let c = cluster(&["n1"]).await;
     let gc = PodGc::new(c.clone(), cfg());
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(fencecsi_podgc::http::serve(
-        "127.0.0.1:0".parse().unwrap(),
-        gc.metrics(),
-        gc.liveness(),
-        async {
-            let _ = stop_rx.await;
-        },
-        Some(tx),
-    ));
-    let addr = rx.await.unwrap();
+    let server = fencecsi_cluster::http::start(&"127.0.0.1:0".parse().unwrap(), gc.report())
+        .await
+        .unwrap();
+    let addr = server.local_addr();
     let h = gc.spawn();
     h.next_pass().await;
     let get = |path: &'static str| async move {
@@ -1086,9 +1078,9 @@ async fn metrics_and_healthz_are_served() {
         assert!(m.contains(name), "{name} missing: {m}");
     }
     assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
+    assert!(get("/readyz").await.starts_with("HTTP/1.1 200"));
     assert!(get("/nope").await.starts_with("HTTP/1.1 404"));
-    let _ = stop_tx.send(());
-    server.await.unwrap().unwrap();
+    server.stop().await;
     h.shutdown().await.unwrap();
 }
 
@@ -1461,33 +1453,32 @@ async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
         instance("locked", "locked"),
     );
     let (open_live, locked_live) = (open.liveness(), locked.liveness());
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(fencecsi_podgc::http::serve(
-        "127.0.0.1:0".parse().unwrap(),
-        locked.metrics(),
-        locked.liveness(),
-        async {
-            let _ = stop_rx.await;
-        },
-        Some(tx),
-    ));
-    let addr = rx.await.unwrap();
-    let healthz = || async move {
+    let server = fencecsi_cluster::http::start(&"127.0.0.1:0".parse().unwrap(), locked.report())
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    let get = |path: &'static str| async move {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).await.unwrap();
         out
     };
+    let healthz = || get("/healthz");
     let (open, locked) = (open.spawn(), locked.spawn());
     wait_for("the locked instance's /healthz turns 503", || async {
         healthz().await.starts_with("HTTP/1.1 503")
     })
     .await;
     assert!(!locked_live.healthy());
+    assert!(
+        get("/readyz").await.starts_with("HTTP/1.1 503"),
+        "not ready either"
+    );
     // Control: the instance with a usable Lease leads and stays healthy.
     let o = &open;
     wait_for("the open instance leads", || async move {
@@ -1495,8 +1486,7 @@ async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
     })
     .await;
     assert!(open_live.healthy());
-    let _ = stop_tx.send(());
-    server.await.unwrap().unwrap();
+    server.stop().await;
     locked.shutdown().await.unwrap();
     open.shutdown().await.unwrap();
 }

@@ -34,7 +34,7 @@ fn replica_config(env: &Env, name: &str) -> Config {
     let mut cfg = env.config(Mode::Controller, None, name);
     cfg.election.enabled = true;
     cfg.election.namespace = Some(NS.into());
-    cfg.election.identity = Some(name.into());
+    cfg.identity.name = Some(name.into());
     cfg.election.lease_duration = LEASE;
     cfg.election.renew_deadline = RENEW;
     cfg.election.retry_period = RETRY;

@@ -31,7 +31,7 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .expect("a status line");
-    if status == 200 {
+    if status == 200 && path == "/metrics" {
         assert!(
             head.to_ascii_lowercase()
                 .contains("content-type: application/openmetrics-text"),
@@ -103,6 +103,9 @@ async fn metrics_endpoint_counts_rpcs_by_code_fences_and_loop_devices() {
     assert_eq!(status, 404);
     let (status, _) = get(addr, "/metrics/x").await;
     assert_eq!(status, 404);
+    // Liveness and readiness: what Probe answers (ready: the state dir is the known one).
+    assert_eq!(get(addr, "/healthz").await, (200, "ok\n".into()));
+    assert_eq!(get(addr, "/readyz").await, (200, "ok\n".into()));
 
     let text = scrape(addr).await;
     assert_eq!(

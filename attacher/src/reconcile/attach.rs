@@ -9,12 +9,12 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::{EventType, MetadataPatch};
 use fencecsi_proto::v1::ControllerPublishVolumeRequest;
 
-use super::failure::{code_name, Op};
-use super::{has_finalizer, Ctx, REASON_ATTACHED, VA_NODE_ID_ANNOTATION};
+use super::failure::Op;
+use super::{has_finalizer, Ctx, ReconcileError, REASON_ATTACHED, VA_NODE_ID_ANNOTATION};
 use crate::metrics::ATTACH;
 
 impl Ctx {
-    pub(super) async fn attach(&self, va: VolumeAttachment) -> Result<(), String> {
+    pub(super) async fn attach(&self, va: VolumeAttachment) -> Result<(), ReconcileError> {
         let name = va.metadata.name.clone().unwrap_or_default();
         let node = va.spec.node_name.clone();
         let attached = va.status.as_ref().is_some_and(|s| s.attached);
@@ -28,16 +28,16 @@ impl Ctx {
 
         let (pv_name, vol) = match self.volume_of(&va).await {
             Ok(v) => v,
-            Err(e) => return self.failed(&va, Op::Attach, e, None).await,
+            Err(e) => return self.failed(&va, Op::Attach, e).await,
         };
         if let Some(pv) = &pv_name {
             if let Err(e) = self.add_pv_finalizer(pv).await {
-                return self.failed(&va, Op::Attach, e, None).await;
+                return self.failed(&va, Op::Attach, e).await;
             }
         }
         let node_id = match self.node_id(&node).await {
             Ok(id) => id,
-            Err(e) => return self.failed(&va, Op::Attach, e, None).await,
+            Err(e) => return self.failed(&va, Op::Attach, e).await,
         };
         let annotated = va
             .metadata
@@ -57,8 +57,9 @@ impl Ctx {
                 // Deletion started meanwhile: its watch event queues the detach.
                 Err(e) if e.is_invalid() => return Ok(()),
                 Err(e) => {
-                    return Err(format!(
-                        "adding the finalizer to VolumeAttachment {name}: {e}"
+                    return Err(ReconcileError::kube(
+                        format!("adding the finalizer to VolumeAttachment {name}"),
+                        e,
                     ))
                 }
             }
@@ -82,7 +83,7 @@ impl Ctx {
             return Ok(());
         }
         if !(self.may_act)() {
-            return Err("not the active attacher any more".into());
+            return Err(ReconcileError::NotActive);
         }
         if vol.wants_secrets {
             tracing::warn!(va = %name, "controllerPublishSecretRef is set but secrets are not supported; publishing without them");
@@ -121,13 +122,12 @@ impl Ctx {
             }
             Err(s) => {
                 self.metrics.operation(ATTACH, false, start.elapsed());
-                let msg = format!(
-                    "ControllerPublishVolume of {} to node {node_id} failed: {}: {}",
-                    vol.handle,
-                    code_name(s.code()),
-                    s.message()
-                );
-                self.failed(&va, Op::Attach, msg, Some(s.code())).await
+                let e = ReconcileError::Publish {
+                    handle: vol.handle,
+                    node_id,
+                    status: s,
+                };
+                self.failed(&va, Op::Attach, e).await
             }
         }
     }

@@ -9,12 +9,14 @@ use fencecsi_cluster::{EventType, MetadataPatch};
 use fencecsi_proto::v1::ControllerUnpublishVolumeRequest;
 use tonic::Code;
 
-use super::failure::{code_name, Op};
-use super::{has_finalizer, Ctx, REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION};
+use super::failure::Op;
+use super::{
+    has_finalizer, Ctx, ReconcileError, REASON_DETACHED, REASON_FENCED, VA_NODE_ID_ANNOTATION,
+};
 use crate::metrics::DETACH;
 
 impl Ctx {
-    pub(super) async fn detach(&self, va: VolumeAttachment) -> Result<(), String> {
+    pub(super) async fn detach(&self, va: VolumeAttachment) -> Result<(), ReconcileError> {
         if !has_finalizer(&va.metadata, &self.finalizer) {
             return Ok(());
         }
@@ -26,7 +28,7 @@ impl Ctx {
         if caps.publish_unpublish {
             let (_, vol) = match self.volume_of(&va).await {
                 Ok(v) => v,
-                Err(e) => return self.failed(&va, Op::Detach, e, None).await,
+                Err(e) => return self.failed(&va, Op::Detach, e).await,
             };
             let recorded = va
                 .metadata
@@ -39,15 +41,15 @@ impl Ctx {
                 Some(id) => id,
                 None => match self.node_id(&node).await {
                     Ok(id) => id,
-                    Err(e) => return self.failed(&va, Op::Detach, e, None).await,
+                    Err(e) => return self.failed(&va, Op::Detach, e).await,
                 },
             };
             let (fence, why) = match self.fence_decision(&node, &vol.handle, caps).await {
                 Ok(d) => d,
-                Err(e) => return self.failed(&va, Op::Detach, e, None).await,
+                Err(e) => return self.failed(&va, Op::Detach, e).await,
             };
             if !(self.may_act)() {
-                return Err("not the active attacher any more".into());
+                return Err(ReconcileError::NotActive);
             }
             let req = ControllerUnpublishVolumeRequest {
                 volume_id: vol.handle.clone(),
@@ -66,14 +68,13 @@ impl Ctx {
                     if fence {
                         self.metrics.fence(false);
                     }
-                    let msg = format!(
-                        "ControllerUnpublishVolume{} of {} from node {node_id} failed: {}: {}",
-                        if fence { " with fence" } else { "" },
-                        vol.handle,
-                        code_name(s.code()),
-                        s.message()
-                    );
-                    return self.failed(&va, Op::Detach, msg, Some(s.code())).await;
+                    let e = ReconcileError::Unpublish {
+                        handle: vol.handle,
+                        node_id,
+                        fence,
+                        status: s,
+                    };
+                    return self.failed(&va, Op::Detach, e).await;
                 }
             }
             let took = start.elapsed();
@@ -117,8 +118,9 @@ impl Ctx {
             Ok(_) => {}
             Err(e) if e.is_not_found() => {}
             Err(e) => {
-                return Err(format!(
-                    "removing the finalizer of VolumeAttachment {name}: {e}"
+                return Err(ReconcileError::kube(
+                    format!("removing the finalizer of VolumeAttachment {name}"),
+                    e,
                 ))
             }
         }

@@ -5,7 +5,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeEr
 use fencecsi_cluster::EventType;
 use tonic::Code;
 
-use super::{now, Ctx, REASON_ATTACH_FAILED, REASON_DETACH_FAILED};
+use super::{now, Ctx, ReconcileError, REASON_ATTACH_FAILED, REASON_DETACH_FAILED};
 
 /// Which half of the VolumeAttachment's life an error belongs to.
 #[derive(Debug, Clone, Copy)]
@@ -30,9 +30,10 @@ impl Ctx {
         &self,
         va: &VolumeAttachment,
         op: Op,
-        msg: String,
-        code: Option<Code>,
-    ) -> Result<(), String> {
+        error: ReconcileError,
+    ) -> Result<(), ReconcileError> {
+        let msg = error.to_string();
+        let code = error.code();
         let last = va.status.as_ref().and_then(|s| match op {
             Op::Attach => s.attach_error.as_ref(),
             Op::Detach => s.detach_error.as_ref(),
@@ -53,12 +54,8 @@ impl Ctx {
                 Op::Attach => REASON_ATTACH_FAILED,
                 Op::Detach => REASON_DETACH_FAILED,
             };
-            self.event(va, EventType::Warning, reason, msg.clone());
+            self.event(va, EventType::Warning, reason, msg);
         }
-        Err(msg)
+        Err(error)
     }
-}
-
-pub(super) fn code_name(c: Code) -> String {
-    format!("{c:?}")
 }

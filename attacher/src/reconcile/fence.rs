@@ -1,7 +1,7 @@
 //! Whether a detach sends `fence = true`: the configured [`FencePolicy`], what the
 //! plugin can do and, under `auto`, whether the node may still be writing.
 
-use super::Ctx;
+use super::{Ctx, ReconcileError};
 use crate::config::FencePolicy;
 use crate::csi::Capabilities;
 use crate::volume;
@@ -13,7 +13,7 @@ impl Ctx {
         node: &str,
         handle: &str,
         caps: Capabilities,
-    ) -> Result<(bool, String), String> {
+    ) -> Result<(bool, String), ReconcileError> {
         match self.cfg.fence {
             FencePolicy::Never => Ok((false, "the fence policy is never".into())),
             FencePolicy::Always if caps.unpublish_fence => {
@@ -27,11 +27,9 @@ impl Ctx {
                 Ok((false, "the plugin cannot fence".into()))
             }
             FencePolicy::Auto => {
-                let n = self
-                    .nodes
-                    .get_opt(node)
-                    .await
-                    .map_err(|e| format!("reading Node {node} to decide on a fence: {e}"))?;
+                let n = self.nodes.get_opt(node).await.map_err(|e| {
+                    ReconcileError::kube(format!("reading Node {node} to decide on a fence"), e)
+                })?;
                 Ok(
                     match volume::node_may_be_writing(n.as_ref(), &self.driver, handle) {
                         Some(why) => (true, why),

@@ -12,6 +12,7 @@
 //! - `resolve`: the CSI volume behind a VolumeAttachment and the CSI node ID of a node;
 //! - `status`: conflict-tolerant status writes;
 //! - `failure`: recording a failed attach or detach (status error, Warning event);
+//! - `error`: [`ReconcileError`], why a pass failed;
 //! - `pv_finalizer`: this driver's finalizer on PersistentVolumes, and the resync sweep;
 //! - `published`: the resync's check of attachments against ListVolumes' published nodes;
 //! - `enqueue`: which watch updates queue the object.
@@ -19,6 +20,7 @@
 mod attach;
 mod detach;
 mod enqueue;
+mod error;
 mod failure;
 mod fence;
 mod published;
@@ -41,6 +43,7 @@ use crate::csi::{Capabilities, Csi};
 use crate::metrics::Metrics;
 
 pub(crate) use enqueue::should_enqueue;
+pub(crate) use error::ReconcileError;
 
 /// On a VolumeAttachment: the CSI node ID it was published to, so a detach still knows
 /// it after the Node and its CSINode are gone. Upstream external-attacher's name.
@@ -103,11 +106,16 @@ impl Ctx {
     }
 
     /// One pass over the VolumeAttachment `name`. `Err` means: retry with backoff.
-    pub(crate) async fn reconcile(&self, name: &str) -> Result<(), String> {
+    pub(crate) async fn reconcile(&self, name: &str) -> Result<(), ReconcileError> {
         let va = match self.vas.get_opt(name).await {
             Ok(Some(va)) => va,
             Ok(None) => return Ok(()),
-            Err(e) => return Err(format!("reading VolumeAttachment {name}: {e}")),
+            Err(e) => {
+                return Err(ReconcileError::kube(
+                    format!("reading VolumeAttachment {name}"),
+                    e,
+                ))
+            }
         };
         if !self.is_ours(&va) {
             return Ok(());

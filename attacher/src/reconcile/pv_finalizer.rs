@@ -3,7 +3,7 @@
 
 use fencecsi_cluster::{ListParams, MetadataPatch};
 
-use super::{has_finalizer, Ctx};
+use super::{has_finalizer, Ctx, ReconcileError};
 
 impl Ctx {
     /// Whether a VolumeAttachment of this driver (other than `except`) references `pv`.
@@ -19,23 +19,24 @@ impl Ctx {
         })
     }
 
-    pub(super) async fn add_pv_finalizer(&self, pv: &str) -> Result<(), String> {
+    pub(super) async fn add_pv_finalizer(&self, pv: &str) -> Result<(), ReconcileError> {
         match self
             .pvs
             .patch_metadata(pv, &MetadataPatch::new().add_finalizer(&self.finalizer))
             .await
         {
             Ok(_) => Ok(()),
-            Err(e) if e.is_not_found() => Err(format!("PersistentVolume {pv} not found")),
+            Err(e) if e.is_not_found() => Err(ReconcileError::PvNotFound { pv: pv.to_string() }),
             // Deleting already: it keeps the finalizer it has.
             Err(e) if e.is_invalid() => Ok(()),
-            Err(e) => Err(format!(
-                "adding the finalizer to PersistentVolume {pv}: {e}"
+            Err(e) => Err(ReconcileError::kube(
+                format!("adding the finalizer to PersistentVolume {pv}"),
+                e,
             )),
         }
     }
 
-    pub(super) async fn remove_pv_finalizer(&self, pv: &str) -> Result<(), String> {
+    pub(super) async fn remove_pv_finalizer(&self, pv: &str) -> Result<(), ReconcileError> {
         match self
             .pvs
             .patch_metadata(pv, &MetadataPatch::new().remove_finalizer(&self.finalizer))
@@ -43,8 +44,9 @@ impl Ctx {
         {
             Ok(_) => Ok(()),
             Err(e) if e.is_not_found() => Ok(()),
-            Err(e) => Err(format!(
-                "removing the finalizer of PersistentVolume {pv}: {e}"
+            Err(e) => Err(ReconcileError::kube(
+                format!("removing the finalizer of PersistentVolume {pv}"),
+                e,
             )),
         }
     }

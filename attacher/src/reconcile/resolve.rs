@@ -3,7 +3,7 @@
 
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 
-use super::Ctx;
+use super::{Ctx, ReconcileError};
 use crate::volume::{self, CsiVolume};
 
 impl Ctx {
@@ -11,34 +11,47 @@ impl Ctx {
     pub(super) async fn volume_of(
         &self,
         va: &VolumeAttachment,
-    ) -> Result<(Option<String>, CsiVolume), String> {
+    ) -> Result<(Option<String>, CsiVolume), ReconcileError> {
         let src = &va.spec.source;
         if let Some(pv_name) = &src.persistent_volume_name {
             let pv = match self.pvs.get_opt(pv_name).await {
                 Ok(Some(pv)) => pv,
-                Ok(None) => return Err(format!("PersistentVolume {pv_name} not found")),
-                Err(e) => return Err(format!("reading PersistentVolume {pv_name}: {e}")),
+                Ok(None) => {
+                    return Err(ReconcileError::PvNotFound {
+                        pv: pv_name.clone(),
+                    })
+                }
+                Err(e) => {
+                    return Err(ReconcileError::kube(
+                        format!("reading PersistentVolume {pv_name}"),
+                        e,
+                    ))
+                }
             };
             let spec = pv.spec.unwrap_or_default();
-            let v = volume::csi_volume(&spec, &self.driver)
-                .map_err(|e| format!("PersistentVolume {pv_name}: {e}"))?;
+            let v = volume::csi_volume(&spec, &self.driver).map_err(|error| {
+                ReconcileError::InvalidPv {
+                    pv: pv_name.clone(),
+                    error,
+                }
+            })?;
             Ok((Some(pv_name.clone()), v))
         } else if let Some(spec) = &src.inline_volume_spec {
-            let v = volume::csi_volume(spec, &self.driver)
-                .map_err(|e| format!("inline volume: {e}"))?;
+            let v =
+                volume::csi_volume(spec, &self.driver).map_err(ReconcileError::InvalidInline)?;
             Ok((None, v))
         } else {
-            Err("spec.source names neither a PersistentVolume nor an inline volume".into())
+            Err(ReconcileError::NoSource)
         }
     }
 
     /// The CSI node ID of `node`: CSINode first, then the Node annotation.
-    pub(super) async fn node_id(&self, node: &str) -> Result<String, String> {
+    pub(super) async fn node_id(&self, node: &str) -> Result<String, ReconcileError> {
         if let Some(cn) = self
             .csinodes
             .get_opt(node)
             .await
-            .map_err(|e| format!("reading CSINode {node}: {e}"))?
+            .map_err(|e| ReconcileError::kube(format!("reading CSINode {node}"), e))?
         {
             if let Some(id) = volume::node_id_from_csinode(&cn, &self.driver) {
                 return Ok(id);
@@ -48,15 +61,15 @@ impl Ctx {
             .nodes
             .get_opt(node)
             .await
-            .map_err(|e| format!("reading Node {node}: {e}"))?
+            .map_err(|e| ReconcileError::kube(format!("reading Node {node}"), e))?
         {
             if let Some(id) = volume::node_id_from_annotation(&n, &self.driver) {
                 return Ok(id);
             }
         }
-        Err(format!(
-            "node {node} has no CSI node ID for driver {}: neither its CSINode nor its Node annotation names it (is the node plugin registered?)",
-            self.driver
-        ))
+        Err(ReconcileError::NoNodeId {
+            node: node.to_string(),
+            driver: self.driver.clone(),
+        })
     }
 }

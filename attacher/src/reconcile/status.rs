@@ -3,7 +3,7 @@
 
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeAttachmentStatus};
 
-use super::Ctx;
+use super::{Ctx, ReconcileError};
 
 impl Ctx {
     /// Writes `va`'s status through `f`, re-reading on conflict. A vanished object is fine.
@@ -11,7 +11,7 @@ impl Ctx {
         &self,
         va: &VolumeAttachment,
         f: impl Fn(&mut VolumeAttachmentStatus),
-    ) -> Result<(), String> {
+    ) -> Result<(), ReconcileError> {
         let name = va.metadata.name.clone().unwrap_or_default();
         let mut cur = va.clone();
         for _ in 0..8 {
@@ -27,17 +27,21 @@ impl Ctx {
                 Err(e) if e.is_conflict() => match self.vas.get_opt(&name).await {
                     Ok(Some(v)) => cur = v,
                     Ok(None) => return Ok(()),
-                    Err(e) => return Err(format!("re-reading VolumeAttachment {name}: {e}")),
+                    Err(e) => {
+                        return Err(ReconcileError::kube(
+                            format!("re-reading VolumeAttachment {name}"),
+                            e,
+                        ))
+                    }
                 },
                 Err(e) => {
-                    return Err(format!(
-                        "writing the status of VolumeAttachment {name}: {e}"
+                    return Err(ReconcileError::kube(
+                        format!("writing the status of VolumeAttachment {name}"),
+                        e,
                     ))
                 }
             }
         }
-        Err(format!(
-            "writing the status of VolumeAttachment {name}: too many conflicts"
-        ))
+        Err(ReconcileError::StatusConflicts { name })
     }
 }

@@ -79,29 +79,52 @@ impl NodeInfo {
     /// last VolumeAttachment of a safe-detach driver went), and its clean report is newer
     /// than that stamp. `Ok((quarantined_at, clean_at))`, or what holds the quarantine.
     /// The VolumeAttachments are not the Node's to say: the caller checks them.
-    pub(super) fn liftable(&self) -> Result<(Timestamp, Timestamp), String> {
+    pub(super) fn liftable(&self) -> Result<(Timestamp, Timestamp), QuarantineHeld> {
         if !self.quarantined {
-            return Err("it carries no quarantine taint".into());
+            return Err(QuarantineHeld::NotQuarantined);
         }
         if self.ready != Readiness::True {
-            return Err(format!("it is not Ready ({:?})", self.ready));
+            return Err(QuarantineHeld::NotReady(self.ready.clone()));
         }
         if !self.fences_done {
-            return Err("its fences are not marked done".into());
+            return Err(QuarantineHeld::FencesNotDone);
         }
         let (Some(qa), Some(clean)) = (self.quarantined_at, self.clean_at) else {
-            return Err(format!(
-                "no clean report after the quarantine (quarantined-at {:?}, node-clean {:?})",
-                self.quarantined_at, self.clean_at
-            ));
+            return Err(QuarantineHeld::NoCleanReport {
+                quarantined_at: self.quarantined_at,
+                clean_at: self.clean_at,
+            });
         };
         if clean <= qa {
-            return Err(format!(
-                "its clean report ({clean}) is not newer than quarantined-at ({qa})"
-            ));
+            return Err(QuarantineHeld::CleanReportTooOld {
+                clean_at: clean,
+                quarantined_at: qa,
+            });
         }
         Ok((qa, clean))
     }
+}
+
+/// What keeps a Node's quarantine from being lifted ([`NodeInfo::liftable`]); its text is
+/// logged when the API server's Node disagrees with the cache.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum QuarantineHeld {
+    #[error("it carries no quarantine taint")]
+    NotQuarantined,
+    #[error("it is not Ready ({0:?})")]
+    NotReady(Readiness),
+    #[error("its fences are not marked done")]
+    FencesNotDone,
+    #[error("no clean report after the quarantine (quarantined-at {quarantined_at:?}, node-clean {clean_at:?})")]
+    NoCleanReport {
+        quarantined_at: Option<Timestamp>,
+        clean_at: Option<Timestamp>,
+    },
+    #[error("its clean report ({clean_at}) is not newer than quarantined-at ({quarantined_at})")]
+    CleanReportTooOld {
+        clean_at: Timestamp,
+        quarantined_at: Timestamp,
+    },
 }
 
 pub(super) fn taints(n: &Node) -> &[Taint] {
@@ -419,7 +442,7 @@ mod tests {
         let refused = |f: &dyn Fn(&mut NodeInfo), why: &str| {
             let mut n = ok.clone();
             f(&mut n);
-            let e = n.liftable().unwrap_err();
+            let e = n.liftable().unwrap_err().to_string();
             assert!(e.contains(why), "{e}");
         };
         refused(&|n| n.quarantined = false, "no quarantine");

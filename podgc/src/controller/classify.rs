@@ -9,6 +9,7 @@ use fencecsi_cluster::well_known::OUT_OF_SERVICE_TAINT_KEY;
 use fencecsi_cluster::Cluster;
 
 use crate::volumes::{DeleteReason, Resolver, SkipReason};
+use crate::Result;
 
 /// The pods of one node, sorted.
 pub(super) struct NodePods {
@@ -58,7 +59,7 @@ pub(super) async fn classify_pods(
     cluster: &Cluster,
     drivers: &HashMap<String, bool>,
     pods: &[Pod],
-) -> anyhow::Result<NodePods> {
+) -> Result<NodePods> {
     let mut selected = Vec::new();
     let mut keep_pvs: HashSet<String> = HashSet::new();
     let mut skipped = Vec::new();

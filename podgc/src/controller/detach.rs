@@ -11,6 +11,7 @@ use serde_json::json;
 
 use super::{PassSummary, Runner};
 use crate::annotations::FENCES_DONE;
+use crate::Result;
 
 /// How the kubelet names a CSI volume in `status.volumesInUse`:
 /// `kubernetes.io/csi/<driver>^<volume handle>`.
@@ -24,7 +25,7 @@ impl Runner {
         node: &str,
         keep_pvs: &HashSet<String>,
         s: &mut PassSummary,
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         if self.caches.nodes.get(node).is_some_and(|i| i.quarantined) {
             let names: Vec<String> = self
                 .caches
@@ -94,7 +95,7 @@ impl Runner {
         &mut self,
         node: &str,
         keep_pvs: &HashSet<String>,
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         let nodes = self.cluster.api::<Node>(None);
         let n = nodes.get(node).await?;
         let in_use = n

@@ -23,10 +23,11 @@ use super::caches::NodeInfo;
 use super::quarantine::node_patch;
 use super::{now, Runner};
 use crate::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
+use crate::Result;
 
 impl Runner {
     /// Re-stamps after the fences, lifts the quarantine when everything says so.
-    pub(super) async fn maybe_lift(&mut self, node: &str, unhealthy: bool) -> anyhow::Result<bool> {
+    pub(super) async fn maybe_lift(&mut self, node: &str, unhealthy: bool) -> Result<bool> {
         let Some(info) = self.caches.nodes.get(node).cloned() else {
             return Ok(false);
         };
@@ -155,10 +156,7 @@ impl Runner {
 
     /// The VolumeAttachments of safe-detach drivers naming `node`, as the API server has
     /// them now.
-    async fn safe_attachments_listed_on(
-        &self,
-        node: &str,
-    ) -> anyhow::Result<Vec<VolumeAttachment>> {
+    async fn safe_attachments_listed_on(&self, node: &str) -> Result<Vec<VolumeAttachment>> {
         let safe: HashSet<String> = self
             .caches
             .drivers

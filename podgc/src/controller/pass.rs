@@ -12,6 +12,7 @@ use fencecsi_cluster::{EventType, ListParams};
 use super::caches::{NodeInfo, Readiness};
 use super::classify::{classify_pods, NodePods};
 use super::{now, sd, Runner};
+use crate::Result;
 
 /// What one pass did (published after every pass; tests and the drill wait on it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -244,12 +245,7 @@ impl Runner {
     }
 
     /// Acts on one node that has been NotReady for longer than the grace.
-    async fn handle_node(
-        &mut self,
-        node: &str,
-        down: &Suspect,
-        s: &mut PassSummary,
-    ) -> anyhow::Result<()> {
+    async fn handle_node(&mut self, node: &str, down: &Suspect, s: &mut PassSummary) -> Result<()> {
         let pods = self
             .cluster
             .api::<Pod>(None)

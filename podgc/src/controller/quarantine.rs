@@ -15,6 +15,7 @@ use serde_json::{json, Map, Value};
 use super::caches::{taints, NodeInfo};
 use super::{now, Runner};
 use crate::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
+use crate::{Error, Result};
 
 /// A merge patch that writes `n`'s taints and annotations (those in `removed` become
 /// `null`), conditional on the resourceVersion `n` was read at. Nodes are patched, never
@@ -41,11 +42,7 @@ pub(super) fn node_patch(n: &Node, removed: &[&str]) -> Value {
 }
 
 impl Runner {
-    pub(super) async fn patch_node(
-        &mut self,
-        node: &str,
-        patch: MetadataPatch,
-    ) -> anyhow::Result<()> {
+    pub(super) async fn patch_node(&mut self, node: &str, patch: MetadataPatch) -> Result<()> {
         let n = self
             .cluster
             .api::<Node>(None)
@@ -63,7 +60,7 @@ impl Runner {
         node: &str,
         why: &str,
         oos: bool,
-    ) -> anyhow::Result<bool> {
+    ) -> Result<bool> {
         let nodes = self.cluster.api::<Node>(None);
         for _ in 0..5 {
             let mut n = nodes.get(node).await?;
@@ -129,6 +126,8 @@ impl Runner {
                 Err(e) => return Err(e.into()),
             }
         }
-        anyhow::bail!("node {node} kept changing; quarantine retried next pass")
+        Err(Error::NodeKeptChanging {
+            node: node.to_string(),
+        })
     }
 }

@@ -25,7 +25,7 @@ use super::{now, sd, PassSummary, Runner};
 use crate::config::PodGcConfig;
 use crate::http::Liveness;
 use crate::metrics::Metrics;
-use crate::CONTROLLER_NAME;
+use crate::{Result, CONTROLLER_NAME};
 
 /// The controller.
 pub struct PodGc {
@@ -38,7 +38,7 @@ pub struct PodGc {
 /// A spawned [`PodGc`].
 pub struct PodGcHandle {
     stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    task: Option<tokio::task::JoinHandle<Result<()>>>,
     metrics: Arc<Metrics>,
     passes: watch::Receiver<PassSummary>,
 }
@@ -64,7 +64,7 @@ impl PodGcHandle {
     }
 
     /// Graceful stop: finishes the current pass, releases the leader lease.
-    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+    pub async fn shutdown(mut self) -> Result<()> {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -103,6 +103,14 @@ impl PodGc {
         self.liveness.clone()
     }
 
+    /// What to serve on the HTTP endpoint (`fencecsi_cluster::http::start`).
+    pub fn report(&self) -> Arc<crate::http::Report> {
+        Arc::new(crate::http::Report {
+            metrics: self.metrics.clone(),
+            liveness: self.liveness.clone(),
+        })
+    }
+
     /// Runs in a task until [`PodGcHandle::shutdown`].
     pub fn spawn(self) -> PodGcHandle {
         let (stop, rx) = oneshot::channel::<()>();
@@ -127,7 +135,7 @@ impl PodGc {
 
     /// Runs until `shutdown` resolves; then finishes the current pass and releases the
     /// leader lease.
-    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         self.run_with(shutdown, None).await
     }
 
@@ -135,8 +143,8 @@ impl PodGc {
         self,
         shutdown: impl Future<Output = ()> + Send,
         passes: Option<watch::Sender<PassSummary>>,
-    ) -> anyhow::Result<()> {
-        self.cfg.validate().map_err(anyhow::Error::msg)?;
+    ) -> Result<()> {
+        self.cfg.validate()?;
         let cfg = self.cfg.clone();
         let cluster = self.cluster.clone();
         let leader: Option<LeaderHandle> = match &cfg.leader_election {
