@@ -151,6 +151,7 @@ impl Leading {
 pub fn watch_leadership(
     handle: LeaderHandle,
     retry_period: Duration,
+    state_dir: std::path::PathBuf,
     lost: Option<OnLostLeadership>,
 ) -> Leading {
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
@@ -168,6 +169,7 @@ pub fn watch_leadership(
             }
             if !handle.is_leader() {
                 tracing::error!("leadership lost (the Lease was not renewed within the renew deadline): giving up the state dir");
+                thaw_own_freezes(state_dir.clone()).await;
                 match lost {
                     Some(f) => f(),
                     None => std::process::exit(LOST_LEADERSHIP_EXIT),
@@ -177,6 +179,33 @@ pub fn watch_leadership(
         }
     });
     Leading { stop, task }
+}
+
+/// How long a leader giving up waits for its copies' filesystems to thaw. Short:
+/// the renew deadline has passed, and a standby may lead once the lease
+/// duration has.
+const THAW_AS_IT_GIVES_UP: Duration = Duration::from_secs(2);
+
+/// Thaws what this process's copies froze before it gives up the state dir: the
+/// process exits with its copies abandoned, and their volumes' writers would
+/// otherwise stay frozen until a successor starts and thaws them.
+async fn thaw_own_freezes(state_dir: std::path::PathBuf) {
+    let thaw = tokio::task::spawn_blocking(move || crate::controller::thaw_own_freezes(&state_dir));
+    match tokio::time::timeout(THAW_AS_IT_GIVES_UP, thaw).await {
+        Ok(Ok(0)) => {}
+        Ok(Ok(n)) => {
+            tracing::warn!(
+                filesystems = n,
+                "thawed what this controller's copies froze before giving up"
+            )
+        }
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "thawing this controller's freezes failed; the next controller thaws them at its start")
+        }
+        Err(_) => {
+            tracing::error!(bound = ?THAW_AS_IT_GIVES_UP, "thawing this controller's freezes did not finish in time; giving up anyway (the next controller thaws them at its start)")
+        }
+    }
 }
 
 type StandbyServer = tokio::task::JoinHandle<Result<(), ServeError>>;

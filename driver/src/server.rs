@@ -206,6 +206,7 @@ pub async fn serve_with_metrics(
         crate::leadership::watch_leadership(
             h,
             cfg.election.retry_period,
+            cfg.state_dir.clone(),
             hooks.on_lost_leadership.take(),
         )
     });

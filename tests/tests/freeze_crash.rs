@@ -14,7 +14,9 @@
 //!   with that reason (not "a mount this controller cannot see"), and neither
 //!   the refusal nor a controller restart thaws it;
 //! - a freeze is let go at `--max-freeze` even while the copy is held: the
-//!   writer goes on, and the copy is refused and leaves nothing.
+//!   writer goes on, and the copy is refused and leaves nothing;
+//! - a leader that loses its Lease mid-copy thaws what the copy froze as it
+//!   gives up, and the abandoned copy is refused and leaves nothing.
 //!
 //! Writers run in child processes, so a D-state write never hangs the test
 //! itself; every test thaws the volume's filesystem as a last resort before
@@ -25,8 +27,12 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
+use fencecsi_cluster::Cluster;
 use fencecsi_driver::config::Mode;
+use fencecsi_driver::controller::FP_COPYING;
 use fencecsi_driver::failpoint;
+use fencecsi_driver::server::{serve_with, ServeHooks};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::records::{check, missing, RECORD_SIZE};
 use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
@@ -37,6 +43,8 @@ use fencecsi_tests::{
 use tonic::Code;
 
 const SIZE: i64 = 256 << 20;
+/// The namespace of the leader-election test's Lease.
+const LEASE_NS: &str = "fencecsi";
 const FIFREEZE: libc::c_ulong = 0xC004_5877;
 const FITHAW: libc::c_ulong = 0xC004_5878;
 /// How long the writer may take to go on once the restarted controller serves.
@@ -456,4 +464,104 @@ async fn a_freeze_is_let_go_at_its_bound() {
     env.assert_clean();
     drop(env);
     drop(outer);
+}
+
+/// A leader that loses its Lease while a snapshot's copy holds the volume's
+/// filesystem frozen thaws it as it gives up (in production, just before it
+/// exits): the pod's writers do not wait for a successor to start and thaw it.
+/// The abandoned copy finds its filesystem thawed by someone else and is
+/// refused, so no snapshot comes of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_loses_its_lease_thaws_its_freezes_as_it_gives_up() {
+    require_root!();
+    let (_outer, env) = ext4_backing();
+    let cluster = Cluster::embedded();
+    let mut cfg = env.config(Mode::Controller, None, "leader");
+    cfg.election.enabled = true;
+    cfg.election.namespace = Some(LEASE_NS.into());
+    cfg.identity.name = Some("leader".into());
+    cfg.election.lease_duration = Duration::from_secs(2);
+    cfg.election.renew_deadline = Duration::from_millis(1500);
+    cfg.election.retry_period = Duration::from_millis(200);
+    // Losing the Lease, not the bound, must end this freeze.
+    cfg.max_freeze = Duration::from_secs(600);
+    let socket = cfg.socket_path().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (lost_tx, lost) = tokio::sync::oneshot::channel::<Instant>();
+    let hooks = ServeHooks {
+        leader_cluster: Some(cluster.clone()),
+        // In place of the process exit of production.
+        on_lost_leadership: Some(Box::new(move || {
+            let _ = lost_tx.send(Instant::now());
+        })),
+        ..Default::default()
+    };
+    let server = tokio::spawn(serve_with(
+        cfg,
+        async {
+            let _ = stopped.await;
+        },
+        hooks,
+    ));
+    let ctl = wait_for_socket(&socket).await;
+    // It serves a standby's answers until it holds the Lease.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Err(e) = ctl
+        .clone()
+        .controller
+        .list_volumes(csi::ListVolumesRequest::default())
+        .await
+    {
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        assert!(Instant::now() < deadline, "the replica never led: {e:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let rig = Rig::start_nodes(&env, &["node-a"], ctl.clone()).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, p) = rig
+        .create_attached(&env, "frozen", SIZE, &cap, "node-a", "pod-a")
+        .await;
+    let thaw = ThawOnDrop(vec![p.staging.clone()]);
+
+    // The snapshot freezes the filesystem and pauses in its copy.
+    let paused = failpoint::arm_pause(FP_COPYING, &env.state_dir().to_string_lossy());
+    let call = tokio::spawn(snapshot(ctl.clone(), "snap", &vol.volume_id));
+    assert!(
+        tokio::task::block_in_place(|| paused.wait_reached(Duration::from_secs(60))),
+        "the snapshot never reached its copy"
+    );
+    // Positive control, on the kernel: frozen (a second FIFREEZE answers EBUSY).
+    let frozen = ioctl(&p.staging, FIFREEZE).unwrap_err();
+    assert_eq!(frozen.raw_os_error(), Some(libc::EBUSY), "{frozen}");
+
+    // The leader's node is cut off: no renewal goes through any more.
+    cluster.deny::<Lease>(LEASE_NS);
+    tokio::time::timeout(Duration::from_secs(10), lost)
+        .await
+        .expect("the leader gives up within its renew deadline")
+        .unwrap();
+    // Thawed by then: a freeze of ours goes through (and is undone at once).
+    ioctl(&p.staging, FIFREEZE).expect("the filesystem is thawed once the leader gave up");
+    ioctl(&p.staging, FITHAW).unwrap();
+
+    paused.release();
+    let err = call
+        .await
+        .unwrap()
+        .expect_err("a copy whose filesystem was thawed under it is refused");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("thawed by someone else"), "{err:?}");
+    assert!(
+        snapshot_dirs(&env).is_empty(),
+        "no snapshot of the abandoned copy: {:?}",
+        snapshot_dirs(&env)
+    );
+
+    drop(paused);
+    drop(thaw);
+    rig.detach_and_delete(&p).await.unwrap();
+    rig.stop().await;
+    let _ = stop.send(());
+    let _ = server.await;
+    env.assert_clean();
 }

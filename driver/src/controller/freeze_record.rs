@@ -260,6 +260,47 @@ pub fn thaw_leftovers(state_dir: &Path, at_start: bool) -> usize {
     thawed
 }
 
+/// Thaws what this process's own freezes froze, leaving their records for the
+/// next pass: for a controller about to give up the state dir while a copy still
+/// runs (a leader that lost its Lease), whose volumes' writers would otherwise
+/// stay frozen until a successor starts. The copy then finds its filesystems
+/// thawed by someone else and is refused, so no snapshot comes of it. Returns how
+/// many filesystems it thawed.
+pub fn thaw_own(state_dir: &Path) -> usize {
+    let me = Owner::current();
+    let Ok(entries) = std::fs::read_dir(state_dir.join(FREEZES_DIR)) else {
+        return 0;
+    };
+    let mut thawed = 0;
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let Some(rec) = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<FreezeRecord>(&b).ok())
+        else {
+            continue;
+        };
+        if rec.owner != me {
+            continue;
+        }
+        for fs in &rec.filesystems {
+            match thaw_recorded(fs) {
+                Ok(Thaw::Thawed(at)) => {
+                    thawed += 1;
+                    tracing::warn!(volume = %fs.volume, mount = %at.display(), operation = %rec.operation, "filesystem thawed as the controller gives up: the copy that froze it is abandoned");
+                }
+                Ok(Thaw::NotFrozen(_) | Thaw::Gone) => {}
+                Err(e) => {
+                    tracing::error!(volume = %fs.volume, device = %fs.device.display(), error = %e, "cannot thaw a filesystem frozen for a copy as the controller gives up; the next controller thaws it at its start")
+                }
+            }
+        }
+    }
+    thawed
+}
+
 /// The lock file at `path`, locked: Ok(None) when it is held (a live
 /// operation), Ok(Some(None)) when it does not exist.
 fn try_lock(path: &Path) -> io::Result<Option<Option<File>>> {

@@ -37,6 +37,7 @@ use crate::locks::InFlight;
 use crate::rpc::blocking;
 
 pub use group::GroupControllerService;
+pub use quiesce::FP_COPYING;
 
 /// Keys of the publish_context the node plugin reads.
 pub const CTX_GENERATION: &str = "loop.fencecsi.io/generation";
@@ -74,6 +75,13 @@ pub struct Controller {
     pub(crate) fence_metrics: crate::metrics::FenceMetrics,
     /// Generations that could not be fenced again, already logged at error level.
     unfenceable_reported: std::sync::Mutex<std::collections::HashSet<(String, u64)>>,
+}
+
+/// Thaws what this process's copies froze, leaving their records (see
+/// `freeze_record::thaw_own`): for a controller giving up the state dir while
+/// copies still run. Returns how many filesystems it thawed.
+pub fn thaw_own_freezes(state_dir: &std::path::Path) -> usize {
+    freeze_record::thaw_own(state_dir)
 }
 
 impl Controller {

@@ -97,7 +97,8 @@ use crate::locks::PublishLock;
 use crate::mounts;
 
 /// The stall point (see [`crate::failpoint::stall`]) a copy reaches when it
-/// starts reading its source, with the volume's filesystems frozen.
+/// starts reading its source, with the volume's filesystems frozen; also a pause
+/// point keyed by the state dir.
 pub const FP_COPYING: &str = "quiesce:copying";
 
 // ---------------------------------------------------------------- the live freeze
@@ -285,6 +286,7 @@ pub(crate) struct Window<'a> {
 impl SourceWindow for Window<'_> {
     fn open(&self) -> bool {
         crate::failpoint::stall(FP_COPYING);
+        crate::failpoint::pause(FP_COPYING, &self.q.state_dir.to_string_lossy());
         !self.q.expired()
     }
 
