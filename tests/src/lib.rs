@@ -11,6 +11,7 @@ pub mod bench;
 pub mod real_cluster;
 pub mod records;
 pub mod recovering;
+pub mod replica;
 pub mod rig;
 pub mod writer;
 

@@ -8,86 +8,11 @@ use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
 use fencecsi_cluster::Cluster;
-use fencecsi_driver::config::{Config, Mode};
-use fencecsi_driver::server::{serve_with, ServeHooks};
 use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::replica::{Replica, LEASE, NS, RENEW, RETRY};
 use fencecsi_tests::rig::{create_request, volume_ids};
-use fencecsi_tests::{csi, mount_cap, require_root, wait_for_socket, Access, Env};
+use fencecsi_tests::{csi, mount_cap, require_root, Access, Env};
 use tonic::Code;
-
-const NS: &str = "fencecsi";
-const LEASE: Duration = Duration::from_secs(2);
-const RENEW: Duration = Duration::from_millis(1500);
-const RETRY: Duration = Duration::from_millis(200);
-
-/// A controller replica served in this process until `stop` fires; `lost` fires when it
-/// stops leading (in place of the process exit of production).
-struct Replica {
-    client: Option<CsiClient>,
-    socket: std::path::PathBuf,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    lost: tokio::sync::oneshot::Receiver<Instant>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-fn replica_config(env: &Env, name: &str) -> Config {
-    let mut cfg = env.config(Mode::Controller, None, name);
-    cfg.election.enabled = true;
-    cfg.election.namespace = Some(NS.into());
-    cfg.identity.name = Some(name.into());
-    cfg.election.lease_duration = LEASE;
-    cfg.election.renew_deadline = RENEW;
-    cfg.election.retry_period = RETRY;
-    cfg
-}
-
-impl Replica {
-    fn start(env: &Env, cluster: &Cluster, name: &str) -> Replica {
-        let cfg = replica_config(env, name);
-        let socket = cfg.socket_path().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let (lost_tx, lost) = tokio::sync::oneshot::channel::<Instant>();
-        let hooks = ServeHooks {
-            leader_cluster: Some(cluster.clone()),
-            on_lost_leadership: Some(Box::new(move || {
-                let _ = lost_tx.send(Instant::now());
-            })),
-            ..Default::default()
-        };
-        let task = tokio::spawn(async move {
-            serve_with(
-                cfg,
-                async {
-                    let _ = stopped.await;
-                },
-                hooks,
-            )
-            .await
-            .expect("controller replica");
-        });
-        Replica {
-            client: None,
-            socket,
-            stop: Some(stop),
-            lost,
-            task,
-        }
-    }
-
-    async fn client(&mut self) -> CsiClient {
-        if self.client.is_none() {
-            self.client = Some(wait_for_socket(&self.socket).await);
-        }
-        self.client.clone().unwrap()
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        let _ = self.task.await;
-    }
-}
 
 /// Polls `f` until it answers Some; fails with `what` after `secs`.
 async fn eventually<T, F, Fut>(secs: u64, what: &str, mut f: F) -> T
@@ -189,7 +114,7 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
         .expect_err("A still owns the state dir");
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(
-        !b.task.is_finished(),
+        !b.has_ended(),
         "b waits for the state dir, it does not give up"
     );
     // What production does at the cut: the process exits and its ownership lock goes

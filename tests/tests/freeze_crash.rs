@@ -32,9 +32,9 @@ use fencecsi_cluster::Cluster;
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::controller::FP_COPYING;
 use fencecsi_driver::failpoint;
-use fencecsi_driver::server::{serve_with, ServeHooks};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::records::{check, missing, RECORD_SIZE};
+use fencecsi_tests::replica::{replica_config, Replica, NS};
 use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
 use fencecsi_tests::writer::Writer;
 use fencecsi_tests::{
@@ -43,8 +43,6 @@ use fencecsi_tests::{
 use tonic::Code;
 
 const SIZE: i64 = 256 << 20;
-/// The namespace of the leader-election test's Lease.
-const LEASE_NS: &str = "fencecsi";
 const FIFREEZE: libc::c_ulong = 0xC004_5877;
 const FITHAW: libc::c_ulong = 0xC004_5878;
 /// How long the writer may take to go on once the restarted controller serves.
@@ -476,46 +474,11 @@ async fn a_leader_that_loses_its_lease_thaws_its_freezes_as_it_gives_up() {
     require_root!();
     let (_outer, env) = ext4_backing();
     let cluster = Cluster::embedded();
-    let mut cfg = env.config(Mode::Controller, None, "leader");
-    cfg.election.enabled = true;
-    cfg.election.namespace = Some(LEASE_NS.into());
-    cfg.identity.name = Some("leader".into());
-    cfg.election.lease_duration = Duration::from_secs(2);
-    cfg.election.renew_deadline = Duration::from_millis(1500);
-    cfg.election.retry_period = Duration::from_millis(200);
+    let mut cfg = replica_config(&env, "leader");
     // Losing the Lease, not the bound, must end this freeze.
     cfg.max_freeze = Duration::from_secs(600);
-    let socket = cfg.socket_path().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (lost_tx, lost) = tokio::sync::oneshot::channel::<Instant>();
-    let hooks = ServeHooks {
-        leader_cluster: Some(cluster.clone()),
-        // In place of the process exit of production.
-        on_lost_leadership: Some(Box::new(move || {
-            let _ = lost_tx.send(Instant::now());
-        })),
-        ..Default::default()
-    };
-    let server = tokio::spawn(serve_with(
-        cfg,
-        async {
-            let _ = stopped.await;
-        },
-        hooks,
-    ));
-    let ctl = wait_for_socket(&socket).await;
-    // It serves a standby's answers until it holds the Lease.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while let Err(e) = ctl
-        .clone()
-        .controller
-        .list_volumes(csi::ListVolumesRequest::default())
-        .await
-    {
-        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
-        assert!(Instant::now() < deadline, "the replica never led: {e:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let mut leader = Replica::start_with(cfg, &cluster);
+    let ctl = leader.wait_leading(Duration::from_secs(20)).await;
     let rig = Rig::start_nodes(&env, &["node-a"], ctl.clone()).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let (vol, p) = rig
@@ -535,8 +498,8 @@ async fn a_leader_that_loses_its_lease_thaws_its_freezes_as_it_gives_up() {
     assert_eq!(frozen.raw_os_error(), Some(libc::EBUSY), "{frozen}");
 
     // The leader's node is cut off: no renewal goes through any more.
-    cluster.deny::<Lease>(LEASE_NS);
-    tokio::time::timeout(Duration::from_secs(10), lost)
+    cluster.deny::<Lease>(NS);
+    tokio::time::timeout(Duration::from_secs(10), &mut leader.lost)
         .await
         .expect("the leader gives up within its renew deadline")
         .unwrap();
@@ -561,7 +524,6 @@ async fn a_leader_that_loses_its_lease_thaws_its_freezes_as_it_gives_up() {
     drop(thaw);
     rig.detach_and_delete(&p).await.unwrap();
     rig.stop().await;
-    let _ = stop.send(());
-    let _ = server.await;
+    leader.stop().await;
     env.assert_clean();
 }

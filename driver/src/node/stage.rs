@@ -523,14 +523,7 @@ impl Node {
                         mount_points(&users)
                     )));
                 }
-                for m in users.iter().filter(|m| {
-                    self.roots
-                        .roots()
-                        .iter()
-                        .any(|r| m.mount_point.starts_with(r))
-                }) {
-                    self.unmount_path(&m.mount_point, true)?;
-                }
+                self.unmount_users_under_roots(&users)?;
             }
             loopdev::detach(&lo.device).map_err(|e| {
                 CsiError::internal(&format!("detaching {}", lo.device.display()), e)
@@ -554,6 +547,21 @@ impl Node {
             }
         }
         tracing::info!(volume = %id, staging = %staging.display(), force, "volume unstaged");
+        Ok(())
+    }
+
+    /// Force-unmounts the mounts of a device that lie below the kubelet's dirs this
+    /// plugin may touch; mounts elsewhere (not ours to undo) are left.
+    pub(crate) fn unmount_users_under_roots(&self, users: &[mounts::MountEntry]) -> CsiResult<()> {
+        let ours = |m: &&mounts::MountEntry| {
+            self.roots
+                .roots()
+                .iter()
+                .any(|r| m.mount_point.starts_with(r))
+        };
+        for m in users.iter().filter(ours) {
+            self.unmount_path(&m.mount_point, true)?;
+        }
         Ok(())
     }
 

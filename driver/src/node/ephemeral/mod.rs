@@ -227,14 +227,7 @@ impl Node {
                             .join(", ")
                     )));
                 }
-                for m in users.iter().filter(|m| {
-                    self.roots
-                        .roots()
-                        .iter()
-                        .any(|r| m.mount_point.starts_with(r))
-                }) {
-                    self.unmount_path(&m.mount_point, true)?;
-                }
+                self.unmount_users_under_roots(&users)?;
             }
             self.detach_ephemeral(lo)?;
         }
