@@ -3,7 +3,10 @@
 //! ControllerExpand and garbage collection (a failpoint aborts the real
 //! driver binary there), then restarted: the fence held through the crash,
 //! the retried call completes, every record the node had synced is on the
-//! node that gets the volume, and nothing is left behind.
+//! node that gets the volume, and nothing is left behind. And SIGTERM while a
+//! call whose client gave up still runs (stalled in a snapshot's copy): the
+//! process stops serving but keeps the state dir, so a second controller is
+//! refused until the first is gone.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -390,4 +393,143 @@ async fn a_crash_in_the_middle_of_garbage_collection() {
         assert_records(&b.target, &run.records, fp);
         run.finish(Some(b)).await;
     }
+}
+
+/// Whether a thread of `pid` waits at a stall point.
+fn stalled(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim() == failpoint::STALLED_THREAD)
+        })
+}
+
+/// Whether this process can take `<state>/controller.lock` now (and lets go at once).
+fn ownership_is_free(env: &Env) -> bool {
+    let f = std::fs::File::open(env.state_dir().join("controller.lock")).unwrap();
+    match f.try_lock() {
+        Ok(()) => true,
+        Err(std::fs::TryLockError::WouldBlock) => false,
+        Err(std::fs::TryLockError::Error(e)) => panic!("locking controller.lock: {e}"),
+    }
+}
+
+/// SIGTERM while a call whose client gave up still runs: the controller stops
+/// serving but keeps the state dir until that call has returned, so a second
+/// controller started meanwhile is refused (it could otherwise write records the
+/// old call then overwrites). Once the old process is gone, the second starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_an_abandoned_call_keeps_the_state_dir_until_it_returns() {
+    require_root!();
+    fresh_driver_binary();
+    let env = Env::new();
+    // A snapshot's copy stalls for good (no filesystem frozen: the volume is idle).
+    let (mut first, mut ctl) = controller(&env, "quiesce:copying", Duration::from_secs(3600)).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let vol = ctl
+        .controller
+        .create_volume(fencecsi_tests::rig::create_request("idle", SIZE, &cap))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    let req = csi::CreateSnapshotRequest {
+        name: "snap".into(),
+        source_volume_id: vol.clone(),
+        ..Default::default()
+    };
+    let mut c = ctl.clone();
+    let abandoned = tokio::spawn(async move { c.controller.create_snapshot(req).await });
+    let pid = first.child.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !stalled(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the snapshot never reached its copy"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The client gives up on the call; its thread runs on in the controller.
+    abandoned.abort();
+    let _ = abandoned.await;
+    // Our connection goes too, so the server's drain does not wait for it.
+    drop(ctl);
+
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    // The server stops (its socket goes last, after it gave up what it may)...
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while first.socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the controller never stopped serving"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...but the process lives on with the call, and keeps the state dir.
+    assert!(
+        first.child.try_wait().unwrap().is_none(),
+        "the process exited with a call still running"
+    );
+    assert!(
+        !ownership_is_free(&env),
+        "the state dir was given up with a call still running"
+    );
+    let mut cfg = env.config(Mode::Controller, None, "second");
+    cfg.gc_interval = Duration::from_secs(3600);
+    let mut second = Process::spawn(&cfg);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = second.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a second controller started beside one still running a call"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        !status.success(),
+        "the second controller is refused: {status}"
+    );
+
+    // Positive control: with the old process gone, the state dir is free and a
+    // controller starts on it and serves its volume.
+    first.kill9();
+    assert!(
+        ownership_is_free(&env),
+        "the kernel let go with the process"
+    );
+    let mut third = Process::spawn(&cfg);
+    let mut c3 = wait_for_socket(&third.socket).await;
+    let listed = c3
+        .controller
+        .list_volumes(csi::ListVolumesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    assert!(
+        listed
+            .iter()
+            .any(|e| e.volume.as_ref().is_some_and(|v| v.volume_id == vol)),
+        "the new controller serves the volume: {listed:?}"
+    );
+    c3.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    third.sigterm();
+    env.assert_clean();
 }
