@@ -10,6 +10,17 @@
 //!   goes on within a bound), the freeze record is gone, a retried
 //!   CreateSnapshot succeeds and holds every record acknowledged before it
 //!   was asked for, and every acknowledged record is in the volume;
+//! - the same kill in the middle of a group snapshot of two volumes in use,
+//!   each with its writer: every member is frozen before the first copy, so
+//!   one record names both filesystems and both writers are blocked in D
+//!   state after the kill; the restarted controller thaws both (each writer
+//!   goes on within the bound) and removes the interrupted copy, and the
+//!   retried CreateVolumeGroupSnapshot succeeds with each member holding
+//!   every record acknowledged before it was asked for;
+//! - the same kill in the middle of a live clone (CreateVolume from a volume
+//!   in use): the source is thawed at the restart, the interrupted creation
+//!   is gone (record and data), and the retried clone succeeds and holds
+//!   every record acknowledged before it was asked for;
 //! - a filesystem someone else froze is left to them: the snapshot is refused
 //!   with that reason (not "a mount this controller cannot see"), and neither
 //!   the refusal nor a controller restart thaws it;
@@ -22,6 +33,7 @@
 //! itself; every test thaws the volume's filesystem as a last resort before
 //! its teardown, failing or not.
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -29,13 +41,16 @@ use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
 use fencecsi_cluster::Cluster;
-use fencecsi_driver::config::Mode;
+use fencecsi_driver::config::{Config, Mode};
 use fencecsi_driver::controller::FP_COPYING;
 use fencecsi_driver::failpoint;
 use fencecsi_proto::client::CsiClient;
+use fencecsi_proto::v1::group_controller_client::GroupControllerClient;
 use fencecsi_tests::records::{check, missing, RECORD_SIZE};
 use fencecsi_tests::replica::{replica_config, Replica, NS};
-use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
+use fencecsi_tests::rig::{
+    create_request, fresh_driver_binary, from_snapshot, from_volume, volume_ids, Placement, Rig,
+};
 use fencecsi_tests::writer::Writer;
 use fencecsi_tests::{
     csi, monotonic_ns, mount_cap, require_root, wait_for_socket, Access, Env, Process,
@@ -189,26 +204,235 @@ fn assert_prefix(data: &[u8], before: u64, what: &str) {
     );
 }
 
+// ---------------------------------------------------------------- a controller killed mid-copy
+
+fn log_filter() -> String {
+    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())
+}
+
+/// The real controller binary, a process of its own, with the stall point
+/// `quiesce:copying` armed: a copy holds there, its filesystems frozen, until
+/// the test SIGKILLs it. Returns its configuration (for the restart) and its
+/// client.
+async fn crashing_controller(env: &Env) -> (Config, Process, CsiClient) {
+    fresh_driver_binary();
+    let mut cfg = env.config(Mode::Controller, None, "controller");
+    // The kill, not the bound, must end this freeze.
+    cfg.max_freeze = Duration::from_secs(600);
+    let crashing = Process::spawn_with_env(
+        &cfg,
+        &[(failpoint::ENV, FP_COPYING), ("RUST_LOG", &log_filter())],
+    );
+    let ctl = wait_for_socket(&crashing.socket).await;
+    (cfg, crashing, ctl)
+}
+
+/// Waits until a copy in `controller` holds at its stall point.
+async fn wait_stalled(controller: &Process) {
+    let pid = controller.child.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !stalled(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the copy never reached its stall point"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The one freeze record in the state dir names the controller `pid` and,
+/// for each (volume, staging mount), a filesystem of that volume mounted
+/// there, and nothing else: what a restart must thaw.
+fn assert_recorded(env: &Env, pid: u32, frozen: &[(&str, &Path)]) {
+    let records = freeze_records(env);
+    assert_eq!(records.len(), 1, "one freeze record: {records:?}");
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&records[0]).unwrap()).unwrap();
+    assert_eq!(rec["owner"]["pid"], pid, "{rec}");
+    let filesystems = rec["filesystems"].as_array().unwrap();
+    assert_eq!(filesystems.len(), frozen.len(), "{rec}");
+    for (vol, staging) in frozen {
+        let fs = filesystems
+            .iter()
+            .find(|f| f["volume"].as_str() == Some(*vol))
+            .unwrap_or_else(|| panic!("the record names no filesystem of {vol}: {rec}"));
+        let named: Vec<&str> = fs["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m["path"].as_str())
+            .collect();
+        assert!(
+            named.contains(&staging.to_str().unwrap()),
+            "the record names the staging mount of {vol}: {rec}"
+        );
+    }
+}
+
+/// Positive control, on the kernel: the freeze outlived the killed
+/// controller. Each writer acknowledges nothing and sits in D state. Returns
+/// what each had acknowledged.
+async fn assert_blocked(writers: &[&Writer], killed_at: Instant) -> Vec<u64> {
+    let acked: Vec<u64> = writers.iter().map(|w| w.acked()).collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (i, (w, before)) in writers.iter().zip(&acked).enumerate() {
+        let (state, wchan) = proc_state(w.pid());
+        assert_eq!(
+            w.acked(),
+            *before,
+            "writer {i} went on: nothing was frozen (state {state}, wchan {wchan})"
+        );
+        assert_eq!(
+            state, 'D',
+            "writer {i} is not blocked in the kernel (wchan {wchan})"
+        );
+        eprintln!(
+            "writer {i} frozen {:?} after the kill: state {state}, wchan {wchan}",
+            killed_at.elapsed()
+        );
+    }
+    acked
+}
+
+/// Starts the controller again on the same state dir (no failpoint) and
+/// waits for every writer to go on: the restart thawed what the killed one
+/// froze. Its freeze record is gone. Returns the new controller.
+async fn restart_and_resume(
+    cfg: &Config,
+    rig: &mut Rig,
+    env: &Env,
+    writers: &[&Writer],
+    acked: &[u64],
+) -> Process {
+    let started = Instant::now();
+    let restarted = Process::spawn_with_env(cfg, &[("RUST_LOG", &log_filter())]);
+    rig.controller = wait_for_socket(&restarted.socket).await;
+    let serving = started.elapsed();
+    for (i, (w, a)) in writers.iter().zip(acked).enumerate() {
+        wait_acked(
+            w,
+            a + 20,
+            RESUME_BOUND,
+            &format!("writer {i} after the controller's restart"),
+        )
+        .await;
+    }
+    eprintln!(
+        "controller serving {serving:?} after its restart; writers going on {:?} after it",
+        started.elapsed()
+    );
+    assert_eq!(
+        freeze_records(env),
+        Vec::<PathBuf>::new(),
+        "the settled record is gone"
+    );
+    restarted
+}
+
+/// Stops the writer of the volume `p`: it saw no error, and every record it
+/// acknowledged is in the volume. Returns how many it acknowledged before
+/// `asked` (CLOCK_MONOTONIC ns).
+fn stop_and_check(w: Writer, p: &Placement, asked: u64) -> u64 {
+    let (acks, errors) = w.stop();
+    assert_eq!(errors, 0, "the writer of {} saw errors", p.volume_id);
+    let data = std::fs::read(records_file(p)).unwrap();
+    let last = acks.last().unwrap().0;
+    assert_eq!(
+        missing(&data, last),
+        Vec::<u64>::new(),
+        "acknowledged records missing from {}",
+        p.volume_id
+    );
+    acks.iter().filter(|(_, t)| *t < asked).count() as u64
+}
+
+/// The volume `p` read back on node-a: one instant holding the `before`
+/// records acknowledged before it was asked for (`what`); then deleted.
+async fn assert_holds(rig: &Rig, env: &Env, volume_id: &str, before: u64, what: &str) {
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let p = rig
+        .attach(env, volume_id, "node-a", &format!("pod-{volume_id}"), &cap)
+        .await
+        .unwrap();
+    assert_prefix(&std::fs::read(records_file(&p)).unwrap(), before, what);
+    rig.detach_and_delete(&p).await.unwrap();
+}
+
+/// Restores `snapshot_id` into a new volume and checks it with [`assert_holds`].
+async fn assert_snapshot_holds(rig: &Rig, env: &Env, snapshot_id: &str, before: u64, what: &str) {
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let restored = rig
+        .create_volume(csi::CreateVolumeRequest {
+            volume_content_source: from_snapshot(snapshot_id),
+            ..create_request(&format!("restored-{snapshot_id}"), SIZE, &cap)
+        })
+        .await
+        .unwrap();
+    assert_holds(rig, env, &restored.volume_id, before, what).await;
+}
+
+/// CreateVolumeGroupSnapshot of `vols` on the controller at `socket`; the
+/// future owns what it needs (to be spawned).
+fn group_snapshot(
+    socket: &Path,
+    name: &str,
+    vols: &[&str],
+) -> impl std::future::Future<Output = Result<csi::VolumeGroupSnapshot, tonic::Status>> + Send + 'static
+{
+    let socket = socket.to_path_buf();
+    let req = csi::CreateVolumeGroupSnapshotRequest {
+        name: name.into(),
+        source_volume_ids: vols.iter().map(|v| v.to_string()).collect(),
+        ..Default::default()
+    };
+    async move {
+        let channel = fencecsi_proto::client::connect(&socket)
+            .await
+            .map_err(|e| tonic::Status::unavailable(format!("connecting: {e}")))?;
+        GroupControllerClient::new(channel)
+            .create_volume_group_snapshot(req)
+            .await
+            .map(|r| r.into_inner().group_snapshot.unwrap())
+    }
+}
+
+/// CreateVolume `name` as a clone of `source` (a volume); the future owns
+/// what it needs (to be spawned).
+fn clone_volume(
+    mut c: CsiClient,
+    name: &str,
+    source: &str,
+) -> impl std::future::Future<Output = Result<csi::Volume, tonic::Status>> + Send + 'static {
+    let req = csi::CreateVolumeRequest {
+        volume_content_source: from_volume(source),
+        ..create_request(name, SIZE, &mount_cap(Access::SingleNodeWriter, "ext4"))
+    };
+    async move {
+        c.controller
+            .create_volume(req)
+            .await
+            .map(|r| r.into_inner().volume.unwrap())
+    }
+}
+
+/// The volume directories in the state dir.
+fn volume_dirs(env: &Env) -> BTreeSet<String> {
+    std::fs::read_dir(env.state_dir().join("volumes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
 /// The controller SIGKILLed in the middle of a snapshot's copy, with the
 /// volume's filesystem frozen: the restarted controller thaws it before it
 /// serves, and the retried snapshot succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
     require_root!();
-    fresh_driver_binary();
     let (outer, env) = ext4_backing();
-    let mut ccfg = env.config(Mode::Controller, None, "controller");
-    // The kill, not the bound, must end this freeze.
-    ccfg.max_freeze = Duration::from_secs(600);
-    let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
-    let mut crashing = Process::spawn_with_env(
-        &ccfg,
-        &[
-            (failpoint::ENV, "quiesce:copying"),
-            ("RUST_LOG", log.as_str()),
-        ],
-    );
-    let ctl = wait_for_socket(&crashing.socket).await;
+    let (ccfg, mut crashing, ctl) = crashing_controller(&env).await;
     let mut rig = Rig::start_nodes(&env, &["node-a"], ctl).await;
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let (vol, p) = rig
@@ -219,35 +443,11 @@ async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
     let _thaw = ThawOnDrop(vec![p.staging.clone(), p.target.clone()]);
     wait_acked(&writer, 50, Duration::from_secs(30), "before the snapshot").await;
 
-    // The snapshot freezes the filesystem and stalls in its copy.
+    // The snapshot freezes the filesystem and stalls in its copy; its record
+    // names the filesystem and the controller.
     let call = tokio::spawn(snapshot(rig.controller.clone(), "snap", &vol));
-    let pid = crashing.child.id();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !stalled(pid) {
-        assert!(
-            Instant::now() < deadline,
-            "the snapshot never reached its copy"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // Its record names the filesystem and the controller.
-    let records = freeze_records(&env);
-    assert_eq!(records.len(), 1, "one freeze record: {records:?}");
-    let rec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&records[0]).unwrap()).unwrap();
-    assert_eq!(rec["owner"]["pid"], pid, "{rec}");
-    let fs = &rec["filesystems"][0];
-    assert_eq!(fs["volume"], vol.as_str(), "{rec}");
-    let named: Vec<&str> = fs["mounts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|m| m["path"].as_str())
-        .collect();
-    assert!(
-        named.contains(&p.staging.to_str().unwrap()),
-        "the record names the staging mount: {rec}"
-    );
+    wait_stalled(&crashing).await;
+    assert_recorded(&env, crashing.child.id(), &[(&vol, &p.staging)]);
 
     crashing.kill9();
     let killed_at = Instant::now();
@@ -255,46 +455,8 @@ async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
         call.await.unwrap().is_err(),
         "the snapshot must die with the controller"
     );
-    // Positive control, on the kernel: the freeze outlived the process. The
-    // writer acknowledges nothing and sits in D state.
-    let acked = writer.acked();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (state, wchan) = proc_state(writer.pid());
-    assert_eq!(
-        writer.acked(),
-        acked,
-        "the writer went on: nothing was frozen (state {state}, wchan {wchan})"
-    );
-    assert_eq!(
-        state, 'D',
-        "the writer is not blocked in the kernel (wchan {wchan})"
-    );
-    eprintln!(
-        "frozen {:?} after the kill: writer in state {state}, wchan {wchan}",
-        killed_at.elapsed()
-    );
-
-    // The restarted controller thaws it before it serves.
-    let started = Instant::now();
-    let restarted = Process::spawn_with_env(&ccfg, &[("RUST_LOG", log.as_str())]);
-    rig.controller = wait_for_socket(&restarted.socket).await;
-    let serving = started.elapsed();
-    wait_acked(
-        &writer,
-        acked + 20,
-        RESUME_BOUND,
-        "the writer after the controller's restart",
-    )
-    .await;
-    eprintln!(
-        "controller serving {serving:?} after its restart; writer going on {:?} after it",
-        started.elapsed()
-    );
-    assert_eq!(
-        freeze_records(&env),
-        Vec::<PathBuf>::new(),
-        "the settled record is gone"
-    );
+    let acked = assert_blocked(&[&writer], killed_at).await;
+    let restarted = restart_and_resume(&ccfg, &mut rig, &env, &[&writer], &acked).await;
 
     // The retried snapshot succeeds (no filesystem is still frozen to answer EBUSY).
     let asked = monotonic_ns();
@@ -304,38 +466,183 @@ async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
     let more = writer.acked() + 20;
     wait_acked(&writer, more, RESUME_BOUND, "the writer after the snapshot").await;
     assert_eq!(freeze_records(&env), Vec::<PathBuf>::new());
-    let (acks, errors) = writer.stop();
-    assert_eq!(errors, 0, "the writer saw errors");
-    let before = acks.iter().filter(|(_, t)| *t < asked).count() as u64;
-
-    // Nothing acknowledged was lost...
-    let data = std::fs::read(records_file(&p)).unwrap();
-    let last = acks.last().unwrap().0;
-    assert_eq!(
-        missing(&data, last),
-        Vec::<u64>::new(),
-        "acknowledged records missing from the volume"
-    );
-    // ...and the snapshot is one instant holding what was acknowledged before it.
-    let restored = rig
-        .create_volume(csi::CreateVolumeRequest {
-            volume_content_source: from_snapshot(&snap.snapshot_id),
-            ..create_request("restored", SIZE, &cap)
-        })
-        .await
-        .unwrap();
-    let r = rig
-        .attach(&env, &restored.volume_id, "node-a", "pod-r", &cap)
-        .await
-        .unwrap();
-    assert_prefix(
-        &std::fs::read(records_file(&r)).unwrap(),
+    // Nothing acknowledged was lost, and the snapshot is one instant holding
+    // what was acknowledged before it.
+    let before = stop_and_check(writer, &p, asked);
+    assert_snapshot_holds(
+        &rig,
+        &env,
+        &snap.snapshot_id,
         before,
         "the retried snapshot",
-    );
-    rig.detach_and_delete(&r).await.unwrap();
+    )
+    .await;
     rig.detach_and_delete(&p).await.unwrap();
     rig.delete_snapshot(snap.snapshot_id).await;
+    drop(restarted);
+    rig.stop().await;
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+}
+
+/// The same kill in the middle of a group snapshot of two volumes in use:
+/// every member's filesystem is frozen together before the first copy, so
+/// the kill leaves both frozen (one record naming both); the restarted
+/// controller thaws both, and the retried group snapshot succeeds with each
+/// member holding what was acknowledged before it was asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_snapshots_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
+    require_root!();
+    let (outer, env) = ext4_backing();
+    let (ccfg, mut crashing, ctl) = crashing_controller(&env).await;
+    let mut rig = Rig::start_nodes(&env, &["node-a"], ctl).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (va, pa) = rig
+        .create_attached(&env, "member-a", SIZE, &cap, "node-a", "pod-a")
+        .await;
+    let (vb, pb) = rig
+        .create_attached(&env, "member-b", SIZE, &cap, "node-a", "pod-b")
+        .await;
+    let (va, vb) = (va.volume_id, vb.volume_id);
+    let wa = start_writer(&pa);
+    let wb = start_writer(&pb);
+    let _thaw = ThawOnDrop(vec![
+        pa.staging.clone(),
+        pa.target.clone(),
+        pb.staging.clone(),
+        pb.target.clone(),
+    ]);
+    for w in [&wa, &wb] {
+        wait_acked(w, 50, Duration::from_secs(30), "before the group snapshot").await;
+    }
+
+    // Both members are frozen before the first copy, which stalls.
+    let call = tokio::spawn(group_snapshot(&crashing.socket, "group", &[&va, &vb]));
+    wait_stalled(&crashing).await;
+    assert_recorded(
+        &env,
+        crashing.child.id(),
+        &[(&va, &pa.staging), (&vb, &pb.staging)],
+    );
+
+    crashing.kill9();
+    let killed_at = Instant::now();
+    assert!(
+        call.await.unwrap().is_err(),
+        "the group snapshot must die with the controller"
+    );
+    let acked = assert_blocked(&[&wa, &wb], killed_at).await;
+    let restarted = restart_and_resume(&ccfg, &mut rig, &env, &[&wa, &wb], &acked).await;
+    assert_eq!(
+        snapshot_dirs(&env),
+        Vec::<String>::new(),
+        "the interrupted copy is removed at the restart"
+    );
+
+    // The retried group snapshot succeeds.
+    let asked = monotonic_ns();
+    let group = group_snapshot(&restarted.socket, "group", &[&va, &vb])
+        .await
+        .expect("the retried group snapshot");
+    assert!(group.ready_to_use, "{group:?}");
+    for w in [&wa, &wb] {
+        let more = w.acked() + 20;
+        wait_acked(w, more, RESUME_BOUND, "a writer after the group snapshot").await;
+    }
+    assert_eq!(freeze_records(&env), Vec::<PathBuf>::new());
+    for (w, p, vol) in [(wa, &pa, &va), (wb, &pb, &vb)] {
+        let before = stop_and_check(w, p, asked);
+        let member = group
+            .snapshots
+            .iter()
+            .find(|s| s.source_volume_id == *vol)
+            .unwrap_or_else(|| panic!("no member for {vol}: {group:?}"));
+        assert_snapshot_holds(
+            &rig,
+            &env,
+            &member.snapshot_id,
+            before,
+            &format!("the retried group's member of {vol}"),
+        )
+        .await;
+    }
+    GroupControllerClient::new(
+        fencecsi_proto::client::connect(&restarted.socket)
+            .await
+            .unwrap(),
+    )
+    .delete_volume_group_snapshot(csi::DeleteVolumeGroupSnapshotRequest {
+        group_snapshot_id: group.group_snapshot_id.clone(),
+        snapshot_ids: group
+            .snapshots
+            .iter()
+            .map(|s| s.snapshot_id.clone())
+            .collect(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    rig.detach_and_delete(&pa).await.unwrap();
+    rig.detach_and_delete(&pb).await.unwrap();
+    drop(restarted);
+    rig.stop().await;
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+}
+
+/// The same kill in the middle of a live clone (CreateVolume from a volume in
+/// use): the restarted controller thaws the source before it serves and
+/// removes the interrupted creation, and the retried clone succeeds and holds
+/// what was acknowledged before it was asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_clones_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
+    require_root!();
+    let (outer, env) = ext4_backing();
+    let (ccfg, mut crashing, ctl) = crashing_controller(&env).await;
+    let mut rig = Rig::start_nodes(&env, &["node-a"], ctl).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, p) = rig
+        .create_attached(&env, "source", SIZE, &cap, "node-a", "pod-a")
+        .await;
+    let vol = vol.volume_id;
+    let writer = start_writer(&p);
+    let _thaw = ThawOnDrop(vec![p.staging.clone(), p.target.clone()]);
+    wait_acked(&writer, 50, Duration::from_secs(30), "before the clone").await;
+
+    let call = tokio::spawn(clone_volume(rig.controller.clone(), "clone", &vol));
+    wait_stalled(&crashing).await;
+    assert_recorded(&env, crashing.child.id(), &[(&vol, &p.staging)]);
+
+    crashing.kill9();
+    let killed_at = Instant::now();
+    assert!(
+        call.await.unwrap().is_err(),
+        "the clone must die with the controller"
+    );
+    let acked = assert_blocked(&[&writer], killed_at).await;
+    let restarted = restart_and_resume(&ccfg, &mut rig, &env, &[&writer], &acked).await;
+    // The creation the kill interrupted is gone, record and data.
+    let only_source = BTreeSet::from([vol.clone()]);
+    assert_eq!(volume_ids(&mut rig.controller.clone()).await, only_source);
+    assert_eq!(
+        volume_dirs(&env),
+        only_source,
+        "the interrupted clone's data"
+    );
+
+    // The retried clone (same name) succeeds.
+    let asked = monotonic_ns();
+    let clone = clone_volume(rig.controller.clone(), "clone", &vol)
+        .await
+        .expect("the retried clone");
+    let more = writer.acked() + 20;
+    wait_acked(&writer, more, RESUME_BOUND, "the writer after the clone").await;
+    assert_eq!(freeze_records(&env), Vec::<PathBuf>::new());
+    let before = stop_and_check(writer, &p, asked);
+    assert_holds(&rig, &env, &clone.volume_id, before, "the retried clone").await;
+    rig.detach_and_delete(&p).await.unwrap();
     drop(restarted);
     rig.stop().await;
     env.assert_clean();
