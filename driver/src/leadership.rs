@@ -10,7 +10,8 @@
 //!   UNAVAILABLE; it opens the state dir only once it leads, waiting for the ownership
 //!   lock of a former leader that is still exiting (or frozen) for as long as it leads;
 //! - a leader that has not renewed its Lease for `--leader-election-renew-deadline` exits
-//!   at once (`LOST_LEADERSHIP_EXIT`): the kernel then drops the ownership lock with the
+//!   (`LOST_LEADERSHIP_EXIT`) once it has thawed what its running copies froze (at most
+//!   2 s; no freeze starts after): the kernel then drops the ownership lock with the
 //!   process, whatever calls were running (every operation is crash-safe). It needs no
 //!   API server to do so, which it may not reach. The renew deadline is shorter than the
 //!   lease duration, so it is gone before a standby may take the Lease over, and the
@@ -147,11 +148,12 @@ impl Leading {
 /// Watches the Lease while the plugin serves: when this replica stops leading (no
 /// renewal for the renew deadline, judged on the local clock), `lost` runs: by default
 /// the process exits (see the module docs). Looked at four times a retry period, at
-/// most every 250 ms, so the exit follows the deadline by that much at most.
+/// most every 250 ms, so the exit follows the deadline by that much, plus the thaw of
+/// its copies' freezes ([`THAW_AS_IT_GIVES_UP`]), at most.
 pub fn watch_leadership(
     handle: LeaderHandle,
     retry_period: Duration,
-    state_dir: std::path::PathBuf,
+    controller: Arc<Controller>,
     lost: Option<OnLostLeadership>,
 ) -> Leading {
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
@@ -169,7 +171,7 @@ pub fn watch_leadership(
             }
             if !handle.is_leader() {
                 tracing::error!("leadership lost (the Lease was not renewed within the renew deadline): giving up the state dir");
-                thaw_own_freezes(state_dir.clone()).await;
+                give_up_freezes(controller.clone()).await;
                 match lost {
                     Some(f) => f(),
                     None => std::process::exit(LOST_LEADERSHIP_EXIT),
@@ -189,8 +191,8 @@ const THAW_AS_IT_GIVES_UP: Duration = Duration::from_secs(2);
 /// Thaws what this process's copies froze before it gives up the state dir: the
 /// process exits with its copies abandoned, and their volumes' writers would
 /// otherwise stay frozen until a successor starts and thaws them.
-async fn thaw_own_freezes(state_dir: std::path::PathBuf) {
-    let thaw = tokio::task::spawn_blocking(move || crate::controller::thaw_own_freezes(&state_dir));
+async fn give_up_freezes(controller: Arc<Controller>) {
+    let thaw = tokio::task::spawn_blocking(move || controller.give_up_freezes());
     match tokio::time::timeout(THAW_AS_IT_GIVES_UP, thaw).await {
         Ok(Ok(0)) => {}
         Ok(Ok(n)) => {

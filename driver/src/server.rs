@@ -186,6 +186,8 @@ pub async fn serve_with_metrics(
         }
         _ => None,
     };
+    // With leader election, the controller that gives up the state dir if it stops leading.
+    let leader = controller.clone();
     let router = tonic::transport::Server::builder()
         .layer(crate::metrics::RpcMetricsLayer::new(metrics))
         .add_service(IdentityServer::new(IdentityService::new(
@@ -202,11 +204,11 @@ pub async fn serve_with_metrics(
     // Clients whose gRPC stack sends the socket path as `:authority` (grpcio, grpc-java)
     // are refused by h2 unless they set a valid one: see docs/grpc-clients.md.
     let incoming = UnixListenerStream::new(listener);
-    let leading = lease.map(|h| {
+    let leading = lease.zip(leader).map(|(h, c)| {
         crate::leadership::watch_leadership(
             h,
             cfg.election.retry_period,
-            cfg.state_dir.clone(),
+            c,
             hooks.on_lost_leadership.take(),
         )
     });

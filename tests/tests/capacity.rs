@@ -6,7 +6,8 @@
 //! RESOURCE_EXHAUSTED and leave nothing behind; --overcommit-ratio lets the same request
 //! fit; a fenced generation counts until garbage collection frees it (also as a reflink
 //! clone on xfs, where the copy is free at first); and the fence, with the copy the next
-//! publish makes, is never refused for capacity.
+//! publish makes, is never refused for capacity; a snapshot in the making holds its space
+//! from its check on, but no other call that takes capacity.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -496,4 +497,77 @@ async fn reflinked_generations_count_in_full_until_collected() {
     assert_near(now, before, "after collection");
 
     finish(rig, &env, &b).await;
+}
+
+/// A snapshot's copy takes its space from the moment it is checked (a reservation,
+/// until its record is written), yet holds up no other call that takes capacity: a
+/// CreateVolume while the copy is held completes, and both are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_in_the_making_holds_its_space_but_no_other_call() {
+    require_root!();
+    let outer = Env::new();
+    let env = small_backing(&outer);
+    let rig = start(&env, 1.0).await;
+    let c = &rig.controller;
+    let ext4 = mount_cap(Access::SingleNodeWriter, "ext4");
+    let v1 = rig.create("source", 32 * MIB, &ext4).await;
+    let a0 = available(c).await;
+
+    let paused = fencecsi_driver::failpoint::arm_pause("snapshot:before-copy", &v1.volume_id);
+    let mut s = c.clone();
+    let req = csi::CreateSnapshotRequest {
+        name: "snap".into(),
+        source_volume_id: v1.volume_id.clone(),
+        ..Default::default()
+    };
+    let snapshot = tokio::spawn(async move { s.controller.create_snapshot(req).await });
+    assert!(
+        tokio::task::block_in_place(|| paused.wait_reached(Duration::from_secs(30))),
+        "the snapshot never reached its copy"
+    );
+    let a1 = available(c).await;
+    assert_near(a0 - a1, 32 * MIB, "a snapshot in the making");
+    let v2 = tokio::time::timeout(
+        Duration::from_secs(10),
+        rig.create("beside", 16 * MIB, &ext4),
+    )
+    .await
+    .expect("a CreateVolume is not held up by a snapshot's copy");
+    assert_near(
+        a1 - available(c).await,
+        16 * MIB + TRAILER,
+        "the volume beside it",
+    );
+
+    paused.release();
+    let snap = snapshot
+        .await
+        .unwrap()
+        .expect("the snapshot")
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_near(
+        a0 - available(c).await,
+        32 * MIB + 16 * MIB + TRAILER,
+        "the snapshot recorded (its reservation given back)",
+    );
+    drop(paused);
+    c.clone()
+        .controller
+        .delete_snapshot(csi::DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    rig.delete(&v2.volume_id).await.unwrap();
+    rig.delete(&v1.volume_id).await.unwrap();
+    assert_near(
+        available(c).await,
+        a0 + 32 * MIB + TRAILER,
+        "after deleting all",
+    );
+    rig.stop().await;
+    env.assert_clean();
 }

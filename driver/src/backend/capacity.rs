@@ -186,6 +186,8 @@ pub fn assess(
         };
         count(what, s.size_bytes)?;
     }
+    // Copies in the making, not recorded yet: all of it still to be allocated.
+    count(None, store.reserved_bytes())?;
     let reserve = policy.reserve.bytes_of(cap.total_bytes);
     let above_reserve = cap.available_bytes as i128 - reserve as i128;
     Ok(Assessment {

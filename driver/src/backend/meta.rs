@@ -199,12 +199,32 @@ fn version_text(v: Option<u64>) -> String {
     }
 }
 
+/// Space promised to a copy in the making ([`MetaStore::reserve`]); given back when
+/// dropped, by which time the copy's record (or its failure) accounts for it.
+pub struct Reservation<'a> {
+    store: &'a MetaStore,
+    bytes: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let mut r = self
+            .store
+            .reserved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *r = r.saturating_sub(self.bytes);
+    }
+}
+
 pub struct MetaStore {
     root: PathBuf,
     cache: Mutex<Cache>,
     /// Held from a capacity check to the record that takes the space (see
     /// [`MetaStore::capacity_guard`]).
     capacity: Mutex<()>,
+    /// Bytes promised to copies still being made (see [`MetaStore::reserve`]).
+    reserved: Mutex<u64>,
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> std::io::Result<Option<T>> {
@@ -236,6 +256,7 @@ impl MetaStore {
             root: state_dir.to_path_buf(),
             cache: Mutex::new(Cache::default()),
             capacity: Mutex::new(()),
+            reserved: Mutex::new(0),
         };
         let mut cache = Cache::default();
         for (kind, file) in [("volumes", "volume.json"), ("snapshots", "snapshot.json")] {
@@ -273,12 +294,27 @@ impl MetaStore {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Serialises the calls that take capacity (CreateVolume, ControllerExpandVolume): each
-    /// holds it from its check of the capacity until the record that takes the space is
-    /// written, so two calls cannot both take the last of it. The accounting itself is
-    /// computed from the records (see [`super::capacity`]), never kept as a counter.
+    /// Serialises the calls that take capacity (CreateVolume, ControllerExpandVolume,
+    /// snapshots): each holds it from its check of the capacity until the record, or
+    /// the [`MetaStore::reserve`]ation, that takes the space is made, so two calls
+    /// cannot both take the last of it. The accounting itself is computed from the
+    /// records and reservations (see [`super::capacity`]), never kept as a counter.
     pub fn capacity_guard(&self) -> std::sync::MutexGuard<'_, ()> {
         self.capacity.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Promises `bytes` to a copy whose record is written only once the copy is
+    /// done (a snapshot), until the returned reservation drops: taken under the
+    /// capacity guard, which is then let go, so a long copy holds up no other call
+    /// that takes capacity.
+    pub fn reserve(&self, bytes: u64) -> Reservation<'_> {
+        *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) += bytes;
+        Reservation { store: self, bytes }
+    }
+
+    /// What the live reservations promise.
+    pub fn reserved_bytes(&self) -> u64 {
+        *self.reserved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn volume_path(state_dir: &Path, id: &str) -> PathBuf {

@@ -263,9 +263,11 @@ pub fn thaw_leftovers(state_dir: &Path, at_start: bool) -> usize {
 /// Thaws what this process's own freezes froze, leaving their records for the
 /// next pass: for a controller about to give up the state dir while a copy still
 /// runs (a leader that lost its Lease), whose volumes' writers would otherwise
-/// stay frozen until a successor starts. The copy then finds its filesystems
-/// thawed by someone else and is refused, so no snapshot comes of it. Returns how
-/// many filesystems it thawed.
+/// stay frozen until a successor starts. The caller makes sure no FIFREEZE runs
+/// beside it or starts after ([`super::Controller::give_up_freezes`]). The copy then finds its filesystems thawed by someone else and is
+/// refused, so no snapshot comes of it. Returns how many filesystems it thawed.
+/// (The records stay for the successor's start-up pass, which finds their
+/// filesystems not frozen.)
 pub fn thaw_own(state_dir: &Path) -> usize {
     let me = Owner::current();
     let Ok(entries) = std::fs::read_dir(state_dir.join(FREEZES_DIR)) else {

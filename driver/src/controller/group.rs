@@ -175,12 +175,15 @@ impl Controller {
             let gen = v.current_generation;
             members.push((vid.clone(), gen, v.data_bytes(gen)));
         }
-        let _reserve = self.store.capacity_guard();
         let total: u64 = members.iter().map(|(_, _, bytes)| bytes).sum();
-        self.ensure_capacity(
-            total,
-            &format!("a group snapshot of {} volumes", members.len()),
-        )?;
+        let _reserved = {
+            let _guard = self.store.capacity_guard();
+            self.ensure_capacity(
+                total,
+                &format!("a group snapshot of {} volumes", members.len()),
+            )?;
+            self.store.reserve(total)
+        };
         let gid = generate_group_id();
         let sids: Vec<SnapshotId> = vids.iter().map(|_| SnapshotId::generate()).collect();
         let discard = |why: &str| {

@@ -1,5 +1,9 @@
-//! The CSI Controller service: volume lifecycle (`volumes`), attachments and
-//! the fence (`attach`), snapshots (`snapshots`); and the GroupController
+//! The CSI Controller service, a file per area: CreateVolume (`create`), the other
+//! volume RPCs (`volumes`), GetCapacity and the capacity policy (`capacity`),
+//! ControllerExpandVolume (`expand`), ControllerModifyVolume (`modify`),
+//! ControllerPublish/UnpublishVolume (`publish`) with the fence policy
+//! (`fence_policy`) and garbage collection (`gc`), snapshots (`snapshots`,
+//! frozen copies in `quiesce` and `freeze_record`); and the GroupController
 //! service (`group`: volume group snapshots). Every RPC runs its blocking
 //! work (files, ioctls, clones) off the async runtime and holds the volume's
 //! in-flight lock, so concurrent calls for one volume get ABORTED.
@@ -75,13 +79,10 @@ pub struct Controller {
     pub(crate) fence_metrics: crate::metrics::FenceMetrics,
     /// Generations that could not be fenced again, already logged at error level.
     unfenceable_reported: std::sync::Mutex<std::collections::HashSet<(String, u64)>>,
-}
-
-/// Thaws what this process's copies froze, leaving their records (see
-/// `freeze_record::thaw_own`): for a controller giving up the state dir while
-/// copies still run. Returns how many filesystems it thawed.
-pub fn thaw_own_freezes(state_dir: &std::path::Path) -> usize {
-    freeze_record::thaw_own(state_dir)
+    /// Set when the controller gives up the state dir ([`Controller::give_up_freezes`]).
+    /// Every FIFREEZE runs under the read side, so the write side waits for one
+    /// that started and keeps later ones out.
+    pub(crate) giving_up: std::sync::RwLock<bool>,
 }
 
 impl Controller {
@@ -119,6 +120,7 @@ impl Controller {
             fence,
             fence_metrics: Default::default(),
             unfenceable_reported: Default::default(),
+            giving_up: Default::default(),
         });
         // Before anything is served: generations an older driver fenced with
         // the immutable flag alone may still be written through their holders.

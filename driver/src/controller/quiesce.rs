@@ -437,6 +437,29 @@ impl Controller {
         thaw_leftovers(&self.cfg.state_dir, false)
     }
 
+    /// Thaws what this controller's copies froze, for a controller giving up the
+    /// state dir while copies still run (a leader that lost its Lease): first it
+    /// waits for a FIFREEZE already started and keeps later ones out, so no
+    /// filesystem is frozen after it returns. Returns how many it thawed.
+    pub fn give_up_freezes(&self) -> usize {
+        let mut giving_up = self.giving_up.write().unwrap_or_else(|p| p.into_inner());
+        *giving_up = true;
+        super::freeze_record::thaw_own(&self.cfg.state_dir)
+    }
+
+    /// Runs `freeze` (one FIFREEZE) unless the controller is giving up the state
+    /// dir; None then, and nothing was frozen.
+    fn freeze_unless_giving_up(
+        &self,
+        freeze: impl FnOnce() -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        let giving_up = self.giving_up.read().unwrap_or_else(|p| p.into_inner());
+        if *giving_up {
+            return None;
+        }
+        Some(freeze())
+    }
+
     /// Stops every writer of generation `gen` until the copy made with
     /// [`Quiesced::window`] has read it, at most `--max-freeze` (see the
     /// module docs), or refuses with FAILED_PRECONDITION.
@@ -583,14 +606,20 @@ impl Controller {
                     CsiError::internal("writing a freeze record (its filesystem was not frozen)", e)
                 })?;
             }
-            let answer = ioctl_on(&dir, FIFREEZE);
+            let Some(answer) = self.freeze_unless_giving_up(|| ioctl_on(&dir, FIFREEZE)) else {
+                // Dropping `q` thaws what it froze and removes the record.
+                return Err(CsiError::Unavailable(format!(
+                    "volume {id}: the controller plugin is giving up the state dir (it lost its Lease): no freeze starts; retry on the new leader"
+                )));
+            };
             let mut h = q.shared.lock();
             let why = match answer {
                 Ok(()) => {
                     tracing::info!(volume = %id, generation = gen, mount = %p.mount.display(), "filesystem frozen for a point-in-time copy");
                     h.frozen.push((dir, p.mount, p.fs));
-                    if h.phase == Phase::Expired {
-                        // The bound passed while this FIFREEZE ran.
+                    if matches!(h.phase, Phase::Expired | Phase::Interrupted) {
+                        // The bound passed (or someone thawed a member) while this
+                        // FIFREEZE ran.
                         h.thaw_all("the freeze bound passed");
                         drop(h);
                         return Err(q.expiry_refusal(id));
@@ -715,6 +744,33 @@ impl Controller {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A controller giving up the state dir starts no freeze after it (so none can
+    /// outlive the process that exits next); before, a freeze goes ahead.
+    #[test]
+    fn a_controller_giving_up_the_state_dir_starts_no_freeze() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::config::Config::local(
+            crate::config::Mode::Controller,
+            None,
+            dir.path().join("state"),
+            dir.path().join("kubelet"),
+            dir.path().join("c.sock"),
+        );
+        let c = Controller::open(cfg).unwrap();
+        let mut ran = 0;
+        let mut freeze = || {
+            ran += 1;
+            Ok(())
+        };
+        assert!(
+            c.freeze_unless_giving_up(&mut freeze).is_some(),
+            "control: a freeze runs"
+        );
+        assert_eq!(c.give_up_freezes(), 0, "nothing of ours was frozen");
+        assert!(c.freeze_unless_giving_up(&mut freeze).is_none());
+        assert_eq!(ran, 1, "no freeze ran after giving up");
+    }
 
     fn quiesced(reflink_required: bool) -> Quiesced {
         let dir = std::env::temp_dir();

@@ -87,9 +87,12 @@ impl Controller {
         let gen = v.current_generation;
         let bytes = v.data_bytes(gen);
         // A snapshot counts its full size against the backend (an ext4 copy writes it):
-        // refused like a volume that does not fit, held until its record is written.
-        let _reserve = self.store.capacity_guard();
-        self.ensure_capacity(bytes, &format!("a snapshot of volume {vid}"))?;
+        // refused like a volume that does not fit, reserved until its record is written.
+        let _reserved = {
+            let _guard = self.store.capacity_guard();
+            self.ensure_capacity(bytes, &format!("a snapshot of volume {vid}"))?;
+            self.store.reserve(bytes)
+        };
         let (origin, size) = {
             // Writers stop (or the copy is a reflink) until the copy has
             // read the volume, at most --max-freeze (see quiesce).

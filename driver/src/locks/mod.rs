@@ -5,13 +5,17 @@
 //! 2. [`InFlight`] (in-process, per volume or snapshot): the CSI spec asks a plugin
 //!    already working on a volume to answer a second concurrent call for it with
 //!    ABORTED rather than queue it; the CO retries.
-//! 3. [`PublishLock`] (`<state>/volumes/<id>`, a flock): orders a node's attach
+//! 3. The capacity guard (`MetaStore::capacity_guard`, in-process): from a
+//!    capacity check to the record, or reservation, that takes the space.
+//!    ControllerExpandVolume takes the volume's `PublishLock` inside it (a
+//!    bounded wait); nothing takes the guard while holding a `PublishLock`.
+//! 4. [`PublishLock`] (`<state>/volumes/<id>`, a flock): orders a node's attach
 //!    against the controller's attachment changes. Nodes take it shared, the
 //!    controller exclusive.
-//! 4. [`BackingLock`] (a generation's image, a flock): the fence and the node's
+//! 5. [`BackingLock`] (a generation's image, a flock): the fence and the node's
 //!    attach, detach and stats. Taken inside a `PublishLock` when both are held;
 //!    nothing takes a `PublishLock` while holding one, so the two cannot deadlock.
-//! 5. [`RecordsLock`] (`<state>/records.lock`, controllers only): around one
+//! 6. [`RecordsLock`] (`<state>/records.lock`, controllers only): around one
 //!    record's version check and write, innermost.
 //!
 //! Besides these, a freeze record's own file is locked while its freeze is

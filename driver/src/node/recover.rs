@@ -5,7 +5,7 @@
 //! volumes with `fence = true`: the generation this node's loop devices hold was frozen and
 //! the volume moved on to a new generation elsewhere. The node still holds the frozen one
 //! (loop device, staging mount, pod bind mounts), the controller refuses to publish that
-//! volume to this node again until it lets go (see `controller::attach`), and the frozen
+//! volume to this node again until it lets go (see `controller::publish`), and the frozen
 //! generation cannot be garbage-collected. Recovery lets go:
 //!
 //! 0. Check the state dir (`state_guard`): a pass acts on what its metadata says, so it does

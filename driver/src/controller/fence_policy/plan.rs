@@ -3,7 +3,7 @@
 //! then fenced. It decides from facts gathered beforehand (the record, one scan of
 //! the loop devices matched to generations by inode, the targets, the request), so
 //! every case is a table test without root. Making the fence is `crate::fence`;
-//! carrying the plan out and recording it is `attach.rs`.
+//! carrying the plan out and recording it is `publish.rs`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -339,6 +339,29 @@ mod tests {
                 ..case(
                     "no fence asked, held only through a fence window",
                     record(1, &[1], &[("a", 1, false)]),
+                    &["a"],
+                )
+            },
+            Case {
+                holders: vec![device(3, 1, Some("a"), false)],
+                want: vec![(1, Scope::Whole, Reason::KernelHolds(vec![loop_dev(3)]))],
+                want_fenced_from: &[("a", 1)],
+                // Recorded as fenced, but a device still shows the data (a fence
+                // an older driver or a crash left incomplete): fenced again.
+                ..case(
+                    "no fence asked, fenced already, a device still shows the data",
+                    record(1, &[1], &[("a", 1, false)]),
+                    &["a"],
+                )
+            },
+            Case {
+                fence: true,
+                stuck_stage: true,
+                want: vec![(1, Scope::Whole, Reason::Requested)],
+                want_fenced_from: &[("a", 1)],
+                ..case(
+                    "fence asked and a stage stuck: the request's reason",
+                    record(1, &[], &[("a", 1, false)]),
                     &["a"],
                 )
             },
