@@ -188,12 +188,20 @@ async fn bind(endpoint: &HttpEndpoint) -> std::io::Result<TcpListener> {
         Some(ip) => TcpListener::bind(SocketAddr::new(ip, endpoint.port)).await,
         // Every interface of both families, as a Go sidecar's ":PORT" listens; on a host
         // without IPv6, every IPv4 interface.
+        // Only a host without IPv6 falls back; any other error (the port taken, say)
+        // is the answer, rather than a listener on half the interfaces.
         None => match bind_dual_stack(endpoint.port) {
             Ok(l) => Ok(l),
-            Err(e) => {
-                tracing::debug!(error = %e, "no IPv6 socket: serving on IPv4 only");
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+                ) =>
+            {
+                tracing::warn!(error = %e, port = endpoint.port, "no IPv6 on this host: serving HTTP on IPv4 only");
                 TcpListener::bind((Ipv4Addr::UNSPECIFIED, endpoint.port)).await
             }
+            Err(e) => Err(e),
         },
     }
 }

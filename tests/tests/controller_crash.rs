@@ -500,6 +500,18 @@ async fn sigterm_with_an_abandoned_call_keeps_the_state_dir_until_it_returns() {
         !status.success(),
         "the second controller is refused: {status}"
     );
+    // Refused for the ownership, not for anything else: it never served, and the
+    // lock file still names the first.
+    assert!(
+        !second.socket.exists(),
+        "the refused controller made its socket"
+    );
+    let owner = std::fs::read_to_string(env.state_dir().join("controller.lock")).unwrap();
+    assert_eq!(
+        owner.trim(),
+        pid.to_string(),
+        "controller.lock names its owner"
+    );
 
     // Positive control: with the old process gone, the state dir is free and a
     // controller starts on it and serves its volume.

@@ -208,8 +208,9 @@ async fn observe_once(
     let vas = cluster.api::<VolumeAttachment>(None);
     // Every polled step is stamped with this pass's time, and each pass looks for the
     // later steps first: a step seen in this pass finds the (lasting) steps before it
-    // already true when they are looked at next, so the stamps follow the causal order
-    // (a later step can never be stamped before an earlier one).
+    // already true when they are looked at next, so polled stamps follow the causal
+    // order. Steps timed by a watch (the deletion, the quarantine) are clamped to the
+    // polled steps that prove them below.
     for v in vols.iter_mut() {
         if let (Some(u), false) = (&v.new_uid, v.t.contains_key(&Step::PublishedOnB)) {
             if board.by_uid(u).is_some() {
@@ -259,10 +260,14 @@ async fn observe_once(
             v.t.insert(Step::AttachmentDeleted, t);
         }
         // Timed by the Pod watch as it delivered the deletion, or by the pass that saw
-        // the re-created pod if that came first (the old one was gone by then).
+        // what follows it (the re-created pod, the fence, the attachment gone) if that
+        // came first: the old pod was gone by then.
         if !v.t.contains_key(&Step::ForceDeleted) {
             if let Some((dt, cond)) = deletions.lock().unwrap().get(&v.old_uid).copied() {
-                let seen = v.t.get(&Step::PodRecreated).map_or(dt, |&r| dt.min(r));
+                let seen = [Step::PodRecreated, Step::Fenced, Step::AttachmentDeleted]
+                    .iter()
+                    .filter_map(|s| v.t.get(s))
+                    .fold(dt, |a, &b| a.min(b));
                 v.t.insert(Step::ForceDeleted, seen);
                 v.deleted_with_condition = cond;
             }
@@ -283,6 +288,15 @@ async fn observe_once(
             format!(" ({NODE_CLEAN_ANNOTATION}={clean})")
         } else {
             String::new()
+        };
+        // The Node watch may deliver the quarantine after a pass saw an attachment
+        // gone, which follows it (podgc quarantines before anything is detached).
+        let when = if step == Step::Quarantined {
+            vols.iter()
+                .filter_map(|v| v.t.get(&Step::AttachmentDeleted))
+                .fold(when, |a, &b| a.min(b))
+        } else {
+            when
         };
         if step != Step::QuarantineLifted || o.steps.contains_key(&Step::NodeCleaned) {
             mark(&mut o, step, when, progress, &detail);
