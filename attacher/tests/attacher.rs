@@ -18,7 +18,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::{well_known, Cluster, DeleteOptions, WatchEvent, WatchParams};
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::controller::CTX_GENERATION;
-use fencecsi_driver::fsops::is_immutable;
+use fencecsi_driver::kernel::files::is_immutable;
 use fencecsi_tests::{generation_path, require_root, Env, InProcess};
 use futures::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -2484,12 +2484,12 @@ fn dockerfile_builds_every_binary_the_manifests_run_with_the_tools_they_need() {
             "runtime image lacks {pkg}"
         );
     }
-    // The filesystem tools the driver runs (driver/src/fsutil.rs TOOLS), by package.
-    let fsutil = read(&repo_root().join("driver/src/fsutil.rs"));
-    let tools_line = fsutil
+    // The filesystem tools the driver runs (driver/src/kernel/filesystem.rs TOOLS), by package.
+    let filesystem = read(&repo_root().join("driver/src/kernel/filesystem.rs"));
+    let tools_line = filesystem
         .lines()
         .find(|l| l.contains("const TOOLS"))
-        .expect("fsutil TOOLS");
+        .expect("filesystem.rs TOOLS");
     let list = tools_line.split('=').nth(1).expect("TOOLS value");
     for tool in list.split('"').skip(1).step_by(2) {
         let pkg = match tool {

@@ -25,9 +25,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::fsops;
+use crate::kernel::files;
+use crate::kernel::loop_device::{self, AttachOptions, LoopInfo};
 use crate::locks::BackingLock;
-use crate::loopdev::{self, AttachOptions, LoopInfo};
 
 /// Bytes every image keeps beyond its data for the fence window.
 pub const TRAILER_BYTES: u64 = 1 << 20;
@@ -78,8 +78,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FenceError + '_ {
 /// Loop devices whose backing file is this inode (found by device and
 /// inode number, never by path).
 pub fn holders(path: &Path) -> Result<Vec<LoopInfo>, FenceError> {
-    let (dev, ino) = fsops::dev_ino(path).map_err(io_err(path))?;
-    loopdev::find_by_inode(dev, ino).map_err(|e| FenceError::Holders {
+    let (dev, ino) = files::dev_ino(path).map_err(io_err(path))?;
+    loop_device::find_by_inode(dev, ino).map_err(|e| FenceError::Holders {
         path: path.into(),
         message: e.to_string(),
     })
@@ -99,13 +99,13 @@ pub fn ensure_trailer(path: &Path, end_of_data: u64) -> Result<(), FenceError> {
     if len >= want {
         return Ok(());
     }
-    let frozen = fsops::is_immutable(path).unwrap_or(false);
+    let frozen = files::is_immutable(path).unwrap_or(false);
     if frozen {
-        fsops::set_immutable(path, false).map_err(io_err(path))?;
+        files::set_immutable(path, false).map_err(io_err(path))?;
     }
-    let grown = fsops::grow(path, want).map_err(io_err(path));
+    let grown = files::grow(path, want).map_err(io_err(path));
     if frozen {
-        fsops::set_immutable(path, true).map_err(io_err(path))?;
+        files::set_immutable(path, true).map_err(io_err(path))?;
     }
     grown?;
     tracing::info!(path = %path.display(), end_of_data, "fence trailer added to the image");
@@ -165,7 +165,7 @@ fn fence(
         let marker = marker_path(path);
         std::fs::File::create(&marker)
             .and_then(|f| f.sync_all())
-            .and_then(|_| fsops::fsync_parent(&marker))
+            .and_then(|_| files::fsync_parent(&marker))
             .map_err(io_err(path))?;
     }
     // After the marker: a retried fence of an image that lacks its trailer
@@ -177,7 +177,7 @@ fn fence(
     // attach checks it under the shared lock this fence holds exclusively).
     let mut flagged = false;
     if immutable {
-        match fsops::set_immutable(path, true) {
+        match files::set_immutable(path, true) {
             Ok(()) => flagged = true,
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "immutable flag not set (second layer only; the remap is the fence)")
@@ -201,7 +201,7 @@ fn fence(
         for lo in &found {
             let done = if is_fenced_device(lo, data_bytes) {
                 // Already fenced (a retry): the remap is a barrier.
-                loopdev::remap(&lo.device, lo.offset, lo.size_limit)
+                loop_device::remap(&lo.device, lo.offset, lo.size_limit)
             } else {
                 new += 1;
                 shrink_then_move(&lo.device, end)
@@ -209,7 +209,7 @@ fn fence(
             let after = match done {
                 Ok(after) => after,
                 // Released meanwhile: nothing holds the data through it any more.
-                Err(loopdev::LoopError::NotBound(_)) => continue,
+                Err(loop_device::LoopError::NotBound(_)) => continue,
                 Err(e) => {
                     return Err(FenceError::Remap {
                         path: path.into(),
@@ -269,9 +269,9 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
         if !shows_data || (lo.size_limit == data_bytes && lo.size_bytes == data_bytes) {
             continue;
         }
-        match loopdev::remap(&lo.device, 0, data_bytes) {
+        match loop_device::remap(&lo.device, 0, data_bytes) {
             Ok(after) => widened.push(after),
-            Err(loopdev::LoopError::NotBound(_)) => {}
+            Err(loop_device::LoopError::NotBound(_)) => {}
             Err(e) => {
                 return Err(FenceError::Remap {
                     path: path.into(),
@@ -292,21 +292,21 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
 /// window move into the trailer, when nothing but a one-sector request at
 /// sector 0 can still be in that gap (and it would land in the trailer,
 /// never in the data).
-fn shrink_then_move(device: &Path, end: u64) -> Result<LoopInfo, loopdev::LoopError> {
-    let now = loopdev::status(device)?;
-    loopdev::remap(device, now.offset, WINDOW_BYTES)?;
-    loopdev::remap(device, now.offset, WINDOW_BYTES)?;
-    loopdev::remap(device, end, WINDOW_BYTES)
+fn shrink_then_move(device: &Path, end: u64) -> Result<LoopInfo, loop_device::LoopError> {
+    let now = loop_device::status(device)?;
+    loop_device::remap(device, now.offset, WINDOW_BYTES)?;
+    loop_device::remap(device, now.offset, WINDOW_BYTES)?;
+    loop_device::remap(device, end, WINDOW_BYTES)
 }
 
 /// Lifts the flag so a released, fenced generation can be deleted. Callers
 /// must have checked that no loop device holds it any more.
 pub fn thaw(path: &Path) -> Result<(), FenceError> {
-    fsops::set_immutable(path, false).map_err(io_err(path))
+    files::set_immutable(path, false).map_err(io_err(path))
 }
 
 pub fn is_frozen(path: &Path) -> Result<bool, FenceError> {
-    fsops::is_immutable(path).map_err(io_err(path))
+    files::is_immutable(path).map_err(io_err(path))
 }
 
 /// What the start-up probe found.
@@ -353,7 +353,7 @@ pub fn probe(dir: &Path) -> Result<ProbeReport, String> {
 fn probe_once(work: &Path, direct: bool) -> Result<(), String> {
     const DATA: u64 = 1 << 20;
     let img = work.join(format!("probe-{}.img", u8::from(direct)));
-    fsops::create_sparse(&img, DATA + TRAILER_BYTES).map_err(|e| format!("probe image: {e}"))?;
+    files::create_sparse(&img, DATA + TRAILER_BYTES).map_err(|e| format!("probe image: {e}"))?;
     let pattern: Vec<u8> = (0..DATA).map(|i| (i % 251) as u8 | 1).collect();
     std::fs::OpenOptions::new()
         .write(true)
@@ -364,7 +364,7 @@ fn probe_once(work: &Path, direct: bool) -> Result<(), String> {
         })
         .map_err(|e| format!("probe image: {e}"))?;
     let tag = format!("{PROBE_PREFIX}:{}:{}", std::process::id(), u8::from(direct));
-    let lo = loopdev::attach(
+    let lo = loop_device::attach(
         &img,
         &AttachOptions {
             read_only: false,
@@ -376,10 +376,10 @@ fn probe_once(work: &Path, direct: bool) -> Result<(), String> {
     )
     .map_err(|e| format!("attaching a probe loop device: {e}"))?;
     let outcome = probe_device(&img, &lo.device, DATA, &pattern);
-    if let Err(e) = loopdev::detach(&lo.device) {
+    if let Err(e) = loop_device::detach(&lo.device) {
         tracing::warn!(device = %lo.device.display(), error = %e, "could not detach the probe loop device");
     }
-    let _ = fsops::set_immutable(&img, false);
+    let _ = files::set_immutable(&img, false);
     outcome
 }
 
@@ -463,16 +463,16 @@ fn clean_probe_leftovers(dir: &Path) {
     let inodes: Vec<(u64, u64)> = ours
         .iter()
         .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
-        .filter_map(|e| fsops::dev_ino(&e.path()).ok())
+        .filter_map(|e| files::dev_ino(&e.path()).ok())
         .collect();
-    for lo in loopdev::list().unwrap_or_default() {
+    for lo in loop_device::list().unwrap_or_default() {
         if lo.tag.starts_with(PROBE_PREFIX) && inodes.contains(&(lo.backing_dev, lo.backing_ino)) {
-            let _ = loopdev::detach(&lo.device);
+            let _ = loop_device::detach(&lo.device);
         }
     }
     for d in ours {
         for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let _ = fsops::set_immutable(&e.path(), false);
+            let _ = files::set_immutable(&e.path(), false);
         }
         match std::fs::remove_dir_all(&d) {
             Ok(()) => {

@@ -2,8 +2,9 @@
 //! loop devices, with a write fence made on the backing inode.
 //!
 //! Layout: the gRPC services (`identity`, `controller`, `node`) sit on a
-//! storage `backend` (image files, generations, metadata) and on the kernel
-//! helpers (`loopdev`, `mounts`, `fsutil`, `fsops`, `fence`).
+//! storage `backend` (image files, generations, metadata), on the fence
+//! (`fence`), the locks (`locks`) and the kernel wrappers (`kernel`: loop
+//! devices, mounts, filesystems, files, file locks).
 
 pub mod backend;
 pub mod capability;
@@ -12,16 +13,13 @@ pub mod controller;
 pub mod error;
 pub mod failpoint;
 pub mod fence;
-pub mod fsops;
-pub mod fsutil;
 pub mod http;
 pub mod identity;
 pub mod ids;
+pub mod kernel;
 pub mod leadership;
 pub mod locks;
-pub mod loopdev;
 pub mod metrics;
-pub mod mounts;
 pub mod node;
 pub mod paths;
 pub mod rpc;

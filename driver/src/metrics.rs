@@ -165,9 +165,9 @@ struct LoopDevices {
 
 impl LoopDevices {
     /// (showing data, fenced) devices of this node, as the kernel reports them now.
-    fn count(&self) -> Result<(i64, i64), crate::loopdev::LoopError> {
+    fn count(&self) -> Result<(i64, i64), crate::kernel::loop_device::LoopError> {
         let mut counts = (0, 0);
-        for lo in crate::loopdev::list()? {
+        for lo in crate::kernel::loop_device::list()? {
             let ours =
                 crate::node::parse_tag_full(&lo.tag).is_some_and(|(_, _, n)| n == self.node_tag);
             if !ours {

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::meta::now_nanos;
-use crate::fsops;
+use crate::kernel::files;
 
 /// The identity file's name inside the state dir.
 pub const FILE: &str = "state-id";
@@ -106,7 +106,7 @@ pub fn ensure(state_dir: &Path, boot_id_file: &Path) -> Result<(StateId, bool), 
     };
     let p = path(state_dir);
     let bytes = serde_json::to_vec_pretty(&id).expect("a StateId serialises");
-    fsops::write_atomic(&p, &bytes).map_err(|source| StateIdError::Write { path: p, source })?;
+    files::write_atomic(&p, &bytes).map_err(|source| StateIdError::Write { path: p, source })?;
     Ok((id, true))
 }
 

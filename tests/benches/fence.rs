@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use fencecsi_driver::fence::{self, TRAILER_BYTES};
-use fencecsi_driver::loopdev::{self, AttachOptions};
+use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
 use fencecsi_tests::bench::pct_ms;
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{block_cap, Access, Env};
@@ -189,8 +189,8 @@ fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
     let (mut old, mut new) = (Vec::new(), Vec::new());
     for i in 0..runs * 2 {
         let img = env.path().join(format!("p{i}.img"));
-        fencecsi_driver::fsops::create_sparse(&img, DATA + TRAILER_BYTES).unwrap();
-        let lo = loopdev::attach(
+        fencecsi_driver::kernel::files::create_sparse(&img, DATA + TRAILER_BYTES).unwrap();
+        let lo = loop_device::attach(
             &img,
             &AttachOptions {
                 tag: format!("bench-prim-{i}"),
@@ -210,16 +210,16 @@ fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
         drop(f);
         let t = Instant::now();
         if i % 2 == 0 {
-            fencecsi_driver::fsops::set_immutable(&img, true).unwrap();
-            loopdev::drain(&lo.device).unwrap();
+            fencecsi_driver::kernel::files::set_immutable(&img, true).unwrap();
+            loop_device::drain(&lo.device).unwrap();
             std::fs::File::open(&img).unwrap().sync_all().unwrap();
             old.push(t.elapsed());
         } else {
             fence::freeze(&img, DATA).unwrap();
             new.push(t.elapsed());
         }
-        loopdev::detach(&lo.device).unwrap();
-        fencecsi_driver::fsops::set_immutable(&img, false).unwrap();
+        loop_device::detach(&lo.device).unwrap();
+        fencecsi_driver::kernel::files::set_immutable(&img, false).unwrap();
         std::fs::remove_file(&img).unwrap();
     }
     env.assert_clean();

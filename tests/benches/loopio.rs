@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use fencecsi_driver::loopdev::{self, AttachOptions};
+use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
 use fencecsi_tests::bench::{rand_write, seq_write};
 use fencecsi_tests::Env;
 
@@ -39,7 +39,7 @@ impl Volume {
             .unwrap()
             .set_len(4 << 30)
             .unwrap();
-        let info = loopdev::attach(
+        let info = loop_device::attach(
             &img,
             &AttachOptions {
                 direct_io,
@@ -61,7 +61,7 @@ impl Volume {
             mnt,
         };
         // The driver's own mkfs (same options as a volume's first stage).
-        fencecsi_driver::fsutil::mkfs(&vol.device, "ext4").unwrap();
+        fencecsi_driver::kernel::filesystem::mkfs(&vol.device, "ext4").unwrap();
         let ok = Command::new("mount")
             .arg(&vol.device)
             .arg(&vol.mnt)
@@ -75,8 +75,8 @@ impl Volume {
 
 impl Drop for Volume {
     fn drop(&mut self) {
-        let _ = fencecsi_driver::mounts::unmount(&self.mnt);
-        let _ = loopdev::detach(&self.device);
+        let _ = fencecsi_driver::kernel::mounts::unmount(&self.mnt);
+        let _ = loop_device::detach(&self.device);
     }
 }
 

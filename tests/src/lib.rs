@@ -136,7 +136,7 @@ impl Env {
 
     /// Mounts below this env, deepest first.
     pub fn mounts(&self) -> Vec<PathBuf> {
-        let mut v: Vec<PathBuf> = fencecsi_driver::mounts::mounts()
+        let mut v: Vec<PathBuf> = fencecsi_driver::kernel::mounts::mounts()
             .unwrap_or_default()
             .into_iter()
             .map(|m| m.mount_point)
@@ -189,7 +189,7 @@ impl Env {
         }
         let loops = self.loops();
         for l in &loops {
-            let _ = fencecsi_driver::loopdev::detach(l);
+            let _ = fencecsi_driver::kernel::loop_device::detach(l);
         }
         clear_immutable(&self.state_dir());
         (mounts.len(), loops.len())
@@ -219,8 +219,11 @@ fn clear_immutable(dir: &Path) {
         let p = e.path();
         match e.file_type() {
             Ok(t) if t.is_dir() => clear_immutable(&p),
-            Ok(t) if t.is_file() && fencecsi_driver::fsops::is_immutable(&p).unwrap_or(false) => {
-                let _ = fencecsi_driver::fsops::set_immutable(&p, false);
+            Ok(t)
+                if t.is_file()
+                    && fencecsi_driver::kernel::files::is_immutable(&p).unwrap_or(false) =>
+            {
+                let _ = fencecsi_driver::kernel::files::set_immutable(&p, false);
             }
             _ => {}
         }
@@ -560,10 +563,10 @@ pub fn monotonic_ns() -> u64 {
 /// sparse image in `outer` and mounts it: a backing filesystem for a state
 /// dir. The outer env's teardown unmounts and detaches it, failing or not.
 pub fn backing_fs(outer: &Env, kind: &str, size: u64) -> PathBuf {
-    use fencecsi_driver::loopdev::{self, AttachOptions};
+    use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
     let img = outer.path().join(format!("{kind}-backing.img"));
-    fencecsi_driver::fsops::create_sparse(&img, size).unwrap();
-    let lo = loopdev::attach(
+    fencecsi_driver::kernel::files::create_sparse(&img, size).unwrap();
+    let lo = loop_device::attach(
         &img,
         &AttachOptions {
             read_only: false,
@@ -582,11 +585,11 @@ pub fn backing_fs(outer: &Env, kind: &str, size: u64) -> PathBuf {
             .expect("mkfs.btrfs (btrfs-progs) runs");
         assert!(st.success(), "mkfs.btrfs failed");
     } else {
-        fencecsi_driver::fsutil::mkfs(&lo.device, kind).unwrap();
+        fencecsi_driver::kernel::filesystem::mkfs(&lo.device, kind).unwrap();
     }
     let mnt = outer.path().join(format!("{kind}-backing"));
     std::fs::create_dir_all(&mnt).unwrap();
-    fencecsi_driver::mounts::mount_device(&lo.device, &mnt, kind, &[], false).unwrap();
+    fencecsi_driver::kernel::mounts::mount_device(&lo.device, &mnt, kind, &[], false).unwrap();
     mnt
 }
 

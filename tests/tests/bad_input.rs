@@ -11,7 +11,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use fencecsi_driver::config::Mode;
-use fencecsi_driver::mounts;
+use fencecsi_driver::kernel::mounts;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType, VolumeSource};

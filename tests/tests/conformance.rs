@@ -12,7 +12,7 @@ const TRAILER: i64 = fencecsi_driver::fence::TRAILER_BYTES as i64;
 
 use fencecsi_driver::config::{Mode, DEFAULT_DRIVER_NAME};
 use fencecsi_driver::controller::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY, TOPOLOGY_KEY};
-use fencecsi_driver::mounts;
+use fencecsi_driver::kernel::mounts;
 use fencecsi_proto::client::with_extensions;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::controller_service_capability::rpc::Type as CtlRpc;
@@ -2142,7 +2142,11 @@ async fn read_only_publish_refuses_writes() {
         .await
         .unwrap();
     let (dev, _) = only_loop(&env);
-    assert!(fencecsi_driver::loopdev::status(&dev).unwrap().read_only);
+    assert!(
+        fencecsi_driver::kernel::loop_device::status(&dev)
+            .unwrap()
+            .read_only
+    );
     assert!(mounts::mounts_at(&staging).unwrap()[0].read_only);
     c.node
         .node_publish_volume(publish_req(&staging, &ro, &id, &cap, &ctx, false))
@@ -2228,7 +2232,7 @@ async fn raw_block_volume_round_trip() {
         assert_eq!(rdev(&target), rdev(&dev));
         assert_eq!(mounts::mounts_at(&target).unwrap().len(), 1);
         assert_eq!(
-            fencecsi_driver::fsutil::block_device_size(&target).unwrap() as i64,
+            fencecsi_driver::kernel::filesystem::block_device_size(&target).unwrap() as i64,
             32 * MIB
         );
         let r = c

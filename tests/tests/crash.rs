@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::failpoint;
-use fencecsi_driver::mounts;
+use fencecsi_driver::kernel::mounts;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::{
     block_cap, csi, mount_cap, require_root, sha256_file, wait_for_socket, Access, Env, InProcess,

@@ -186,7 +186,7 @@ fn assert_published(env: &Env, pod: &Pod, fs: &str, size: u64, readonly: bool, w
         "{what}: image size"
     );
     assert_eq!(
-        fencecsi_driver::fsutil::block_device_size(&loops[0]).unwrap(),
+        fencecsi_driver::kernel::filesystem::block_device_size(&loops[0]).unwrap(),
         size,
         "{what}: device size"
     );
@@ -581,7 +581,7 @@ async fn crash_once(fp: &str) {
         assert!(!image.exists(), "{fp}: image left");
         assert!(!doomed.dir(&env).exists(), "{fp}: dir left");
         assert_eq!(mountinfo_at(&doomed.target), vec![], "{fp}: mounted");
-        let tags: Vec<String> = fencecsi_driver::loopdev::list()
+        let tags: Vec<String> = fencecsi_driver::kernel::loop_device::list()
             .unwrap()
             .into_iter()
             .map(|l| l.tag)

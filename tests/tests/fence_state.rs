@@ -193,7 +193,8 @@ async fn failed_fence_probe_claims_no_fence_and_changes_nothing() {
         .unwrap();
     assert_eq!(status.published_node_ids, vec!["node-a".to_string()]);
     assert!(
-        !fencecsi_driver::fsops::is_immutable(&generation_path(&env, &w.volume_id, 1)).unwrap()
+        !fencecsi_driver::kernel::files::is_immutable(&generation_path(&env, &w.volume_id, 1))
+            .unwrap()
     );
     std::fs::write(w.staging.join("still-writable"), b"yes").unwrap();
     std::fs::File::open(w.staging.join("still-writable"))
@@ -241,7 +242,7 @@ async fn fence_without_immutable_capability_still_holds() {
         .await
         .expect("the remap fences without the immutable flag");
     let at_fence = fencecsi_tests::region_hash(&image, data);
-    assert!(!fencecsi_driver::fsops::is_immutable(&image).unwrap());
+    assert!(!fencecsi_driver::kernel::files::is_immutable(&image).unwrap());
     let late = std::fs::write(w.staging.join("after"), vec![9u8; 1 << 20])
         .and_then(|_| std::fs::File::open(w.staging.join("after"))?.sync_all());
     assert!(late.is_err(), "a write after the fence must fail");
@@ -294,7 +295,7 @@ async fn fence_state_survives_restart_and_released_generations_are_collected() {
         .await
         .unwrap();
     assert!(
-        fenced.exists() && fencecsi_driver::fsops::is_immutable(&fenced).unwrap(),
+        fenced.exists() && fencecsi_driver::kernel::files::is_immutable(&fenced).unwrap(),
         "kept frozen while node A holds it"
     );
     rig.node_teardown(&a, true).await.unwrap();

@@ -6,7 +6,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use fencecsi_driver::mounts::{self, PathState};
+use fencecsi_driver::kernel::mounts::{self, PathState};
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{csi, mount_cap, require_root, Access, Env};
 use tonic::Code;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use fencecsi_driver::loopdev::{self, LoopInfo};
+use fencecsi_driver::kernel::loop_device::{self, LoopInfo};
 use fencecsi_tests::rig::Rig;
 use fencecsi_tests::{csi, generation_path, mount_cap, require_root, Access, Env};
 use tonic::Code;
@@ -14,8 +14,8 @@ const SIZE: i64 = 64 << 20;
 /// The loop devices the kernel shows on generation `gen` of `vol`.
 fn devices(env: &Env, vol: &str, gen: u64) -> Vec<LoopInfo> {
     let image = generation_path(env, vol, gen);
-    let (dev, ino) = fencecsi_driver::fsops::dev_ino(&image).unwrap();
-    loopdev::find_by_inode(dev, ino).unwrap()
+    let (dev, ino) = fencecsi_driver::kernel::files::dev_ino(&image).unwrap();
+    loop_device::find_by_inode(dev, ino).unwrap()
 }
 
 fn params(kv: &[(&str, &str)]) -> HashMap<String, String> {

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fencecsi_driver::loopdev::{self, AttachOptions};
+use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
 use fencecsi_tests::csi::volume_capability::AccessType;
 use fencecsi_tests::records::{check, RECORD_SIZE};
 use fencecsi_tests::rig::{create_request, from_snapshot, from_volume, Placement, Rig};
@@ -120,7 +120,7 @@ struct ReadOnly(PathBuf);
 impl ReadOnly {
     /// `size_limit`: how much of `file` the device shows (0: all of it).
     fn attach(file: &Path, tag: &str, size_limit: u64) -> ReadOnly {
-        let lo = loopdev::attach(
+        let lo = loop_device::attach(
             file,
             &AttachOptions {
                 read_only: true,
@@ -135,7 +135,7 @@ impl ReadOnly {
 }
 impl Drop for ReadOnly {
     fn drop(&mut self) {
-        let _ = loopdev::detach(&self.0);
+        let _ = loop_device::detach(&self.0);
     }
 }
 

@@ -57,7 +57,7 @@ fn loops_on(env: &Env, vol: &str, gen: u64) -> Vec<PathBuf> {
 }
 
 fn is_mount(p: &Path) -> bool {
-    fencecsi_driver::mounts::is_mountpoint(p).unwrap()
+    fencecsi_driver::kernel::mounts::is_mountpoint(p).unwrap()
 }
 
 /// The volume is still staged, published and attached on node-a.

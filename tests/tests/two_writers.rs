@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use fencecsi_driver::failpoint;
 use fencecsi_driver::fence::{holders, is_fenced_device};
-use fencecsi_driver::loopdev::{self, AttachOptions, LoopInfo};
+use fencecsi_driver::kernel::loop_device::{self, AttachOptions, LoopInfo};
 use fencecsi_driver::node::loop_tag;
 use fencecsi_tests::rig::{stage_request, Placement, Rig};
 use fencecsi_tests::{
@@ -26,7 +26,7 @@ const SIZE: i64 = 64 << 20;
 struct Detach(PathBuf);
 impl Drop for Detach {
     fn drop(&mut self) {
-        let _ = loopdev::detach(&self.0);
+        let _ = loop_device::detach(&self.0);
     }
 }
 
@@ -34,7 +34,7 @@ impl Drop for Detach {
 /// (an admin, an older driver, a node whose record was lost); detached when
 /// the guard drops.
 fn losetup(image: &Path, tag: String, size_limit: u64) -> (LoopInfo, Detach) {
-    let dev = loopdev::attach(
+    let dev = loop_device::attach(
         image,
         &AttachOptions {
             tag,
@@ -392,7 +392,7 @@ async fn publish_fences_a_holder_no_attachment_entitles() {
         b.generation() > a.generation(),
         "a new generation for node B"
     );
-    let now = loopdev::status(&stray.device).unwrap();
+    let now = loop_device::status(&stray.device).unwrap();
     assert!(
         is_fenced_device(&now, SIZE as u64),
         "the stray is fenced: {now:?}"
@@ -439,7 +439,7 @@ async fn a_stray_made_after_the_publish_is_fenced_at_the_next_pass() {
     );
     paused.release();
     wait_until(30, "the stray is fenced by a pass", || {
-        is_fenced_device(&loopdev::status(&stray.device).unwrap(), SIZE as u64)
+        is_fenced_device(&loop_device::status(&stray.device).unwrap(), SIZE as u64)
     })
     .await;
     assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
@@ -502,7 +502,7 @@ async fn an_attachment_from_before_the_trailer_is_fenced_too() {
     rig.unpublish(&vol, "node-a", true)
         .await
         .expect("the fence holds for an old-style attachment");
-    let now = loopdev::status(&old.device).unwrap();
+    let now = loop_device::status(&old.device).unwrap();
     assert!(
         now.offset >= shown && now.size_bytes <= 512,
         "moved past all it showed: {now:?}"
@@ -536,7 +536,7 @@ async fn expansion_waits_while_a_fenced_stray_holds_the_generation() {
     let stray_dev = stray.device.clone();
     fencecsi_driver::fence::fence_devices(&image, SIZE as u64, &|l| l.device == stray_dev).unwrap();
     assert!(is_fenced_device(
-        &loopdev::status(&stray.device).unwrap(),
+        &loop_device::status(&stray.device).unwrap(),
         SIZE as u64
     ));
     std::fs::write(b.target.join("still-b"), b"B keeps writing").unwrap();
@@ -901,7 +901,7 @@ async fn an_attach_a_fence_overtook_fences_and_releases_its_own_device() {
     // The immutable flag is a second layer the fence sets where it can; a
     // backing filesystem without it leaves the marker alone to keep the
     // attach out, which is what is tested here.
-    fencecsi_driver::fsops::set_immutable(&image, false).unwrap();
+    fencecsi_driver::kernel::files::set_immutable(&image, false).unwrap();
     let err = stage
         .finish()
         .await
@@ -956,7 +956,7 @@ async fn a_fence_for_a_node_without_a_record_fences_the_holders() {
         .await
         .expect("the fence is made");
     for l in [&tagged, &admin] {
-        let now = loopdev::status(&l.device).unwrap();
+        let now = loop_device::status(&l.device).unwrap();
         assert!(is_fenced_device(&now, SIZE as u64), "fenced: {now:?}");
     }
     assert_data_unchanged(&image, SIZE as u64, "the data did not change", || {
@@ -1001,7 +1001,7 @@ async fn a_pre_trailer_image_of_exactly_the_data_size_is_fenced() {
     rig.unpublish(&vol, "node-a", true)
         .await
         .expect("the fence holds for an image without a trailer");
-    let now = loopdev::status(&old.device).unwrap();
+    let now = loop_device::status(&old.device).unwrap();
     assert!(
         is_fenced_device(&now, SIZE as u64),
         "moved into the new trailer: {now:?}"
@@ -1039,7 +1039,7 @@ async fn old_flag_only_fence(env: &Env, rig: &Rig, name: &str) -> OldFence {
     let (vol, image) = published_to_a(env, rig, name, &cap).await;
     let (old, guard) = node_losetup(&image, &vol, "node-a", SIZE as u64);
     rig.unpublish(&vol, "node-a", true).await.unwrap();
-    let undone = loopdev::remap(&old.device, 0, SIZE as u64).unwrap();
+    let undone = loop_device::remap(&old.device, 0, SIZE as u64).unwrap();
     assert!(
         !is_fenced_device(&undone, SIZE as u64) && undone.size_bytes == SIZE as u64,
         "node A's device shows the data again: {undone:?}"
@@ -1127,7 +1127,7 @@ async fn publish_fences_again_what_an_older_drivers_fence_left_writing() {
     let ctx = publish_to(&rig, &old.vol, "node-b", &cap).await;
     let returned = fencecsi_tests::monotonic_ns();
     let at = region_hash(&old.image, SIZE as u64);
-    let now = loopdev::status(&old.device).unwrap();
+    let now = loop_device::status(&old.device).unwrap();
     assert!(
         is_fenced_device(&now, SIZE as u64),
         "node A's device is remapped into the trailer: {now:?}"
@@ -1197,7 +1197,7 @@ async fn a_controller_start_fences_again_what_an_older_drivers_fence_left_writin
     );
 
     rig.restart_controller(&env).await;
-    let now = loopdev::status(&old.device).unwrap();
+    let now = loop_device::status(&old.device).unwrap();
     assert!(
         is_fenced_device(&now, SIZE as u64),
         "remapped by the time the new controller serves: {now:?}"

@@ -26,13 +26,13 @@ pub(super) async fn copy_fenced_generation(
     let (s2, d2) = (src.clone(), dst.clone());
     let r = tokio::task::spawn_blocking(move || {
         std::fs::create_dir_all(d2.parent().unwrap())?;
-        let imm = fencecsi_driver::fsops::is_immutable(&s2)?;
+        let imm = fencecsi_driver::kernel::files::is_immutable(&s2)?;
         // The data region only: the fence trailer behind it may take
         // a racing request by design, and is never volume data.
         let data = std::fs::metadata(&s2)?
             .len()
             .saturating_sub(fencecsi_driver::fence::TRAILER_BYTES);
-        fencecsi_driver::fsops::clone_file(&s2, &d2, data, data)?;
+        fencecsi_driver::kernel::files::clone_file(&s2, &d2, data, data)?;
         Ok::<_, std::io::Error>(imm)
     })
     .await?;

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 
 use super::{Backend, BackendError, Capacity, DataRef};
 use crate::fence::{self, FenceReport};
-use crate::fsops::{self, CloneKind, SourceWindow};
 use crate::ids::{SnapshotId, VolumeId};
-use crate::loopdev::LoopInfo;
+use crate::kernel::files::{self, CloneKind, SourceWindow};
+use crate::kernel::loop_device::LoopInfo;
 
 pub struct ImageBackend {
     root: PathBuf,
@@ -28,7 +28,7 @@ impl ImageBackend {
         }
         Ok(Self {
             root: state_dir.to_path_buf(),
-            reflink: fsops::can_reflink(state_dir),
+            reflink: files::can_reflink(state_dir),
         })
     }
 
@@ -63,7 +63,7 @@ impl ImageBackend {
         if !dir.exists() {
             std::fs::create_dir_all(dir)
                 .map_err(BackendError::io(format!("creating {}", dir.display())))?;
-            fsops::fsync_parent(dir).map_err(BackendError::io("syncing directory"))?;
+            files::fsync_parent(dir).map_err(BackendError::io("syncing directory"))?;
         }
         Ok(())
     }
@@ -78,9 +78,9 @@ impl Backend for ImageBackend {
         let path = self.generation_path(vol, gen);
         Self::ensure_dir(&self.volume_dir(vol))?;
         let size = size + fence::TRAILER_BYTES;
-        match fsops::create_sparse(&path, size) {
+        match files::create_sparse(&path, size) {
             // A retry after a crash finds the file it made: make sure it is the right size.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => fsops::grow(&path, size),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => files::grow(&path, size),
             other => other,
         }
         .map_err(BackendError::io(format!("creating {}", path.display())))
@@ -107,7 +107,7 @@ impl Backend for ImageBackend {
             tracing::info!(path = %to.display(), "clone target already complete from an earlier attempt");
             return Ok(CloneKind::SparseCopy);
         }
-        fsops::clone_file_in(
+        files::clone_file_in(
             &from,
             &to,
             src_bytes.min(size),
@@ -135,7 +135,7 @@ impl Backend for ImageBackend {
         let kind = if to.exists() {
             CloneKind::SparseCopy
         } else {
-            fsops::clone_file_in(&from, &to, data_bytes, data_bytes, window)
+            files::clone_file_in(&from, &to, data_bytes, data_bytes, window)
                 .map_err(BackendError::io(format!("snapshotting {}", from.display())))?
         };
         let size = std::fs::metadata(&to)
@@ -233,13 +233,13 @@ impl Backend for ImageBackend {
     }
 
     fn holder_snapshot(&self) -> Result<Vec<LoopInfo>, BackendError> {
-        crate::loopdev::list().map_err(|e| {
+        crate::kernel::loop_device::list().map_err(|e| {
             BackendError::io("listing loop devices")(std::io::Error::other(e.to_string()))
         })
     }
 
     fn holders_in(&self, snapshot: &[LoopInfo], vol: &VolumeId, gen: u64) -> Vec<LoopInfo> {
-        match fsops::dev_ino(&self.generation_path(vol, gen)) {
+        match files::dev_ino(&self.generation_path(vol, gen)) {
             Ok((dev, ino)) => snapshot
                 .iter()
                 .filter(|l| l.backing_dev == dev && l.backing_ino == ino)
@@ -271,7 +271,7 @@ impl Backend for ImageBackend {
             }
             _ => {}
         }
-        fsops::fsync_parent(&path).map_err(BackendError::io("syncing directory"))
+        files::fsync_parent(&path).map_err(BackendError::io("syncing directory"))
     }
 
     fn delete_volume(&self, vol: &VolumeId) -> Result<(), BackendError> {
@@ -300,7 +300,7 @@ impl Backend for ImageBackend {
         }
         std::fs::remove_dir_all(&dir)
             .map_err(BackendError::io(format!("removing {}", dir.display())))?;
-        fsops::fsync_parent(&dir).map_err(BackendError::io("syncing directory"))
+        files::fsync_parent(&dir).map_err(BackendError::io("syncing directory"))
     }
 
     fn capacity(&self) -> Result<Capacity, BackendError> {
@@ -426,7 +426,7 @@ mod tests {
     fn exclusive_bytes_counts_written_extents_only() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
-        fsops::create_sparse(&path, 64 << 20).unwrap();
+        files::create_sparse(&path, 64 << 20).unwrap();
         assert_eq!(
             exclusive_bytes(&path).unwrap(),
             0,

@@ -10,8 +10,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fsops::{self, CloneKind};
 use crate::ids::{Parsed, SnapshotId, VolumeId};
+use crate::kernel::files::{self, CloneKind};
 
 /// Where group snapshot records live: `<state>/group-snapshots/<id>.json`.
 pub const GROUPS_DIR: &str = "group-snapshots";
@@ -241,9 +241,9 @@ fn write_json<T: Serialize>(path: &Path, value: &T) -> std::io::Result<()> {
     let dir = path.parent().expect("metadata path has a parent");
     if !dir.exists() {
         std::fs::create_dir_all(dir)?;
-        fsops::fsync_parent(dir)?;
+        files::fsync_parent(dir)?;
     }
-    fsops::write_atomic(
+    files::write_atomic(
         path,
         &serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?,
     )
@@ -382,7 +382,7 @@ impl MetaStore {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
             _ => {}
         }
-        fsops::fsync_dir(&self.root.join("volumes"))?;
+        files::fsync_dir(&self.root.join("volumes"))?;
         self.lock().volumes.remove(id.as_str());
         Ok(())
     }
@@ -527,7 +527,7 @@ impl MetaStore {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
-        fsops::fsync_dir(&self.root.join(GROUPS_DIR))?;
+        files::fsync_dir(&self.root.join(GROUPS_DIR))?;
         for sid in &g.snapshot_ids {
             match std::fs::remove_file(self.snapshot_record_path(sid)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),

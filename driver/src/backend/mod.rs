@@ -10,9 +10,9 @@ pub mod meta;
 use std::path::PathBuf;
 
 use crate::fence::{FenceError, FenceReport};
-use crate::fsops::{self, CloneKind, SourceWindow};
 use crate::ids::{SnapshotId, VolumeId};
-use crate::loopdev::LoopInfo;
+use crate::kernel::files::{self, CloneKind, SourceWindow};
+use crate::kernel::loop_device::LoopInfo;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -83,7 +83,7 @@ pub trait Backend: Send + Sync + 'static {
         gen: u64,
         size: u64,
     ) -> Result<CloneKind, BackendError> {
-        self.clone_data_in(src, src_bytes, vol, gen, size, &fsops::Unbounded)
+        self.clone_data_in(src, src_bytes, vol, gen, size, &files::Unbounded)
     }
     /// [`Backend::clone_data`] of a source that holds still only while
     /// `window` is open (a volume in use, quiesced by the caller): the copy

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::meta::now_nanos;
-use crate::fsops;
-use crate::mounts;
+use crate::kernel::files;
+use crate::kernel::mounts;
 
 // _IOWR('X', 119, int) and _IOWR('X', 120, int) from include/uapi/linux/fs.h.
 pub(super) const FIFREEZE: libc::c_ulong = 0xC004_5877;
@@ -108,7 +108,7 @@ impl RecordFiles {
         let dir = state_dir.join(FREEZES_DIR);
         if !dir.is_dir() {
             std::fs::create_dir_all(&dir)?;
-            fsops::fsync_parent(&dir)?;
+            files::fsync_parent(&dir)?;
         }
         let op = format!(
             "{}-{}-{}",
@@ -148,13 +148,13 @@ impl RecordFiles {
 
     pub(super) fn write(&self, rec: &FreezeRecord) -> io::Result<()> {
         let bytes = serde_json::to_vec_pretty(rec).map_err(io::Error::other)?;
-        fsops::write_atomic(&self.json, &bytes)
+        files::write_atomic(&self.json, &bytes)
     }
 
     /// Removes the record, then the lock file (the lock goes with `self`).
     pub(super) fn remove(self) -> io::Result<()> {
         remove_if_there(&self.json)?;
-        fsops::fsync_dir(&self.dir)?;
+        files::fsync_dir(&self.dir)?;
         remove_if_there(&self.lock_path)
     }
 }
@@ -374,12 +374,12 @@ fn settle(dir: &Path, op: &str) -> io::Result<usize> {
     }
     if left.is_empty() {
         remove_if_there(&json)?;
-        fsops::fsync_dir(dir)?;
+        files::fsync_dir(dir)?;
         remove_if_there(&lock_path)?;
     } else {
         rec.filesystems = left;
         let bytes = serde_json::to_vec_pretty(&rec).map_err(io::Error::other)?;
-        fsops::write_atomic(&json, &bytes)?;
+        files::write_atomic(&json, &bytes)?;
     }
     Ok(thawed)
 }

@@ -33,8 +33,8 @@ use super::Controller;
 use crate::backend::meta::{now_nanos, GroupSnapshotMeta, MetaStore, SnapshotMeta, GROUPS_DIR};
 use crate::backend::Backend;
 use crate::error::{CsiError, CsiResult};
-use crate::fsops::CloneKind;
 use crate::ids::{check_token, Parsed, SnapshotId, VolumeId};
+use crate::kernel::files::CloneKind;
 
 const GROUP_PREFIX: &str = "group-";
 

@@ -14,8 +14,8 @@
 use std::path::Path;
 
 use crate::backend::meta::MetaStore;
-use crate::fsops;
-use crate::loopdev;
+use crate::kernel::files;
+use crate::kernel::loop_device;
 
 fn is_temp(name: &str) -> bool {
     (name.starts_with('.') && name.contains(".tmp-")) || name.ends_with(".partial")
@@ -37,7 +37,7 @@ pub(super) fn clean(state_dir: &Path, store: &MetaStore) {
             }
         }
     }
-    let held: Vec<(u64, u64)> = loopdev::list()
+    let held: Vec<(u64, u64)> = loop_device::list()
         .unwrap_or_default()
         .iter()
         .map(|l| (l.backing_dev, l.backing_ino))
@@ -74,17 +74,17 @@ pub(super) fn clean(state_dir: &Path, store: &MetaStore) {
             }
             let busy = files
                 .iter()
-                .filter_map(|f| fsops::dev_ino(f).ok())
+                .filter_map(|f| files::dev_ino(f).ok())
                 .any(|di| held.contains(&di));
             if busy {
                 tracing::warn!(dir = %dir.display(), "unrecorded directory left alone: a loop device still holds an image in it");
                 continue;
             }
             for f in &files {
-                let _ = fsops::set_immutable(f, false);
+                let _ = files::set_immutable(f, false);
             }
             match std::fs::remove_dir_all(&dir)
-                .and_then(|_| fsops::fsync_dir(&state_dir.join(kind)))
+                .and_then(|_| files::fsync_dir(&state_dir.join(kind)))
             {
                 Ok(()) => {
                     tracing::info!(dir = %dir.display(), "removed a directory no record refers to (left by a crash)")

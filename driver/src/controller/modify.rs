@@ -72,7 +72,7 @@ impl Controller {
                 .holders(&id, v.current_generation)
                 .map_err(|e| CsiError::internal("listing the volume's loop devices", e))?;
             for lo in holders.iter().filter(|l| l.direct_io != dio) {
-                match crate::loopdev::set_direct_io(&lo.device, dio) {
+                match crate::kernel::loop_device::set_direct_io(&lo.device, dio) {
                     Ok(()) => {
                         tracing::info!(volume = %id, device = %lo.device.display(), direct_io = dio, "loop device switched")
                     }

@@ -13,8 +13,8 @@ use crate::backend::DataRef;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{check_token, VolumeId};
+use crate::kernel::loop_device::LoopInfo;
 use crate::locks::PublishLock;
-use crate::loopdev::LoopInfo;
 
 use super::fence_policy::plan::{plan_unpublish, tag_node, Scope, UnpublishFacts};
 

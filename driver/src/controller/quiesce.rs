@@ -16,7 +16,7 @@
 //! # How long writers are blocked
 //!
 //! The filesystems are thawed as soon as the copy has *read* its source
-//! ([`fsops::SourceWindow::close`]), before the copy's own flush and rename:
+//! ([`files::SourceWindow::close`]), before the copy's own flush and rename:
 //!
 //! - where the state dir makes reflinks (xfs, btrfs) the freeze lasts the
 //!   `FIFREEZE` itself (the kernel syncs the filesystem's dirty data) and one
@@ -91,10 +91,10 @@ use super::freeze_record::{
 use super::Controller;
 use crate::backend::meta::now_nanos;
 use crate::error::{CsiError, CsiResult};
-use crate::fsops::{CloneKind, SourceWindow};
 use crate::ids::VolumeId;
+use crate::kernel::files::{CloneKind, SourceWindow};
+use crate::kernel::mounts;
 use crate::locks::PublishLock;
-use crate::mounts;
 
 /// The stall point (see [`crate::failpoint::stall`]) a copy reaches when it
 /// starts reading its source, with the volume's filesystems frozen; also a pause

@@ -183,7 +183,7 @@ impl Controller {
     pub(super) fn condition_with(
         &self,
         v: &VolumeMeta,
-        snapshot: &[crate::loopdev::LoopInfo],
+        snapshot: &[crate::kernel::loop_device::LoopInfo],
     ) -> VolumeCondition {
         let id = v.volume_id();
         if v.state == VolumeState::Ready

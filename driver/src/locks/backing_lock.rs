@@ -34,9 +34,10 @@ impl BackingLock {
     /// still goes on: at worst a remap running meanwhile drops its autoclear
     /// flag, and the device stays bound (fenced or idle) until released again.
     pub(crate) fn exclusive_for(number: u32, dev: u64, ino: u64) -> Option<BackingLock> {
-        let raw =
-            std::fs::read_to_string(crate::loopdev::sys_loop_dir(number).join("loop/backing_file"))
-                .ok()?;
+        let raw = std::fs::read_to_string(
+            crate::kernel::loop_device::sys_loop_dir(number).join("loop/backing_file"),
+        )
+        .ok()?;
         let path = PathBuf::from(raw.trim_end_matches('\n'));
         let meta = std::fs::metadata(&path).ok()?;
         if meta.dev() != dev || meta.ino() != ino {

@@ -23,7 +23,7 @@ use crate::ids::VolumeId;
 ///
 /// Lock order: this lock first, then an image's [`super::BackingLock`] (the
 /// fence and the node's attach take that one inside it). Nothing takes this
-/// lock while holding a `BackingLock` (`loopdev::detach`, the fence, stats),
+/// lock while holding a `BackingLock` (`loop_device::detach`, the fence, stats),
 /// so the two cannot deadlock. The directory, not a file in it: the records
 /// are replaced by rename, and a node must not create files in the state dir.
 pub struct PublishLock {

@@ -4,9 +4,9 @@ use fencecsi_proto::v1::*;
 
 use super::Node;
 use crate::error::{CsiError, CsiResult};
-use crate::fsutil;
-use crate::loopdev;
-use crate::mounts::{self, PathState};
+use crate::kernel::filesystem;
+use crate::kernel::loop_device;
+use crate::kernel::mounts::{self, PathState};
 
 impl Node {
     /// NodeExpandVolume: grows the filesystem to the device the controller already
@@ -58,7 +58,7 @@ impl Node {
         // hangs here cannot undo a fence. A fenced device (a window, or a
         // generation fenced whole) is never grown into.
         let image = self.generation_path(&id, gen);
-        let lo = loopdev::status(&lo.device)
+        let lo = loop_device::status(&lo.device)
             .map_err(|e| CsiError::internal("reading the loop device", e))?;
         if lo.offset != 0
             || crate::fence::marker_path(&image).exists()
@@ -82,8 +82,8 @@ impl Node {
             .map(|m| m.is_dir())
             .unwrap_or(false)
         {
-            fsutil::grow(&lo.device, &path, &meta.fs_type).map_err(|e| match e {
-                fsutil::FsError::MissingCapability { .. } => CsiError::FailedPrecondition(format!(
+            filesystem::grow(&lo.device, &path, &meta.fs_type).map_err(|e| match e {
+                filesystem::FsError::MissingCapability { .. } => CsiError::FailedPrecondition(format!(
                     "{e}: online ext4 resize is not possible in this process; the filesystem grows to the new size at the next NodeStageVolume"
                 )),
                 e => CsiError::internal("growing the filesystem", e),

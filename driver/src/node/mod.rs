@@ -41,8 +41,8 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
+use crate::kernel::loop_device::{self, LoopInfo};
 use crate::locks::InFlight;
-use crate::loopdev::{self, LoopInfo};
 use crate::paths::AllowedRoots;
 use crate::rpc::blocking;
 
@@ -109,7 +109,7 @@ impl Node {
         // is reported as such, and so that Probe tells the truth also when recovery is off.
         let _ = recover::check_state_dir(&guard, &node_id, &roots);
         let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
-        if let Err(e) = crate::fsutil::check_tools() {
+        if let Err(e) = crate::kernel::filesystem::check_tools() {
             tracing::warn!(error = %e, "filesystem tools missing: staging filesystem volumes will fail");
         }
         MetaStore::register_node(
@@ -159,7 +159,7 @@ impl Node {
 
     /// Our loop devices for a volume (any generation).
     pub(crate) fn loops_of(&self, id: &VolumeId) -> CsiResult<Vec<(LoopInfo, u64)>> {
-        let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
+        let all = loop_device::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
         let me = node_tag(&self.node_id);
         Ok(all
             .into_iter()
@@ -330,7 +330,7 @@ mod tests {
         );
         assert_ne!(node_tag("node-a"), node_tag("node-b"));
         assert!(
-            loop_tag(&v, u64::MAX, "n").len() <= crate::loopdev::MAX_TAG_LEN,
+            loop_tag(&v, u64::MAX, "n").len() <= crate::kernel::loop_device::MAX_TAG_LEN,
             "must fit lo_file_name"
         );
         assert_eq!(

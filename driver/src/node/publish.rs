@@ -12,8 +12,8 @@ use crate::capability;
 use crate::controller::CTX_READONLY;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
-use crate::loopdev::{self, AttachOptions};
-use crate::mounts::{self, PathState};
+use crate::kernel::loop_device::{self, AttachOptions};
+use crate::kernel::mounts::{self, PathState};
 
 impl Node {
     /// NodePublishVolume: bind-mounts the staged volume at the pod's target. An ephemeral
@@ -138,7 +138,7 @@ impl Node {
             return Ok(None);
         }
         let tag = loop_tag(id, gen, &self.node_id);
-        if let Some(twin) = loopdev::find_by_inode(lo.backing_dev, lo.backing_ino)
+        if let Some(twin) = loop_device::find_by_inode(lo.backing_dev, lo.backing_ino)
             .map_err(|e| CsiError::internal("listing loop devices", e))?
             .into_iter()
             .find(|l| l.tag == tag && l.read_only)
@@ -146,7 +146,7 @@ impl Node {
             return Ok(Some(twin.device));
         }
         let image = self.generation_path(id, gen);
-        let twin = loopdev::attach(
+        let twin = loop_device::attach(
             &image,
             &AttachOptions {
                 read_only: true,

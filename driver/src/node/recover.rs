@@ -46,8 +46,8 @@ use super::stage::rdev;
 use super::{node_tag, parse_tag_full, remove_target, Node};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::VolumeId;
-use crate::loopdev::{self, LoopError, LoopInfo};
-use crate::mounts;
+use crate::kernel::loop_device::{self, LoopError, LoopInfo};
+use crate::kernel::mounts;
 use crate::paths::AllowedRoots;
 
 /// Error type of reporters.
@@ -173,7 +173,7 @@ impl Node {
     /// This node's loop devices: those on fenced generations, and volumes mounted here that
     /// the metadata does not know.
     fn scan(&self) -> CsiResult<Scan> {
-        let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
+        let all = loop_device::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
         let table =
             mounts::mounts().map_err(|e| CsiError::internal("reading the mount table", e))?;
         let mut metas = BTreeMap::new();
@@ -291,7 +291,7 @@ impl Node {
             }
             let mut detached = Vec::new();
             for h in &devices {
-                loopdev::detach(&h.lo.device).map_err(|e| {
+                loop_device::detach(&h.lo.device).map_err(|e| {
                     CsiError::internal(&format!("detaching {}", h.lo.device.display()), e)
                 })?;
                 detached.push(h.lo.device.clone());
@@ -378,7 +378,7 @@ pub(super) fn check_state_dir(
 /// Our volumes mounted under this node's kubelet dir, whatever the metadata says: what a
 /// wrong state dir would put at risk.
 fn mounted_here(node_id: &str, roots: &AllowedRoots) -> CsiResult<BTreeSet<VolumeId>> {
-    let all = loopdev::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
+    let all = loop_device::list().map_err(|e| CsiError::internal("listing loop devices", e))?;
     let table = mounts::mounts().map_err(|e| CsiError::internal("reading the mount table", e))?;
     let me = node_tag(node_id);
     let mut out = BTreeSet::new();
@@ -444,7 +444,7 @@ fn remove_dir_if_empty(dir: &Path) {
 pub(super) fn wait_unbound(lo: &LoopInfo, limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
     loop {
-        match loopdev::status(&lo.device) {
+        match loop_device::status(&lo.device) {
             Err(LoopError::NotBound(_)) => return true,
             Ok(now) if now.backing_ino != lo.backing_ino || now.backing_dev != lo.backing_dev => {
                 return true

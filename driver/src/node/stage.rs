@@ -10,11 +10,11 @@ use crate::backend::meta::VolumeMeta;
 use crate::capability;
 use crate::controller::{publish::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 use crate::error::{CsiError, CsiResult};
-use crate::fsutil::{self, FsKind};
 use crate::ids::VolumeId;
+use crate::kernel::filesystem::{self, FsKind};
+use crate::kernel::loop_device::{self, AttachOptions, LoopInfo};
+use crate::kernel::mounts::{self, PathState};
 use crate::locks::PublishLock;
-use crate::loopdev::{self, AttachOptions, LoopInfo};
-use crate::mounts::{self, PathState};
 
 /// (major, minor) of a device node.
 pub(crate) fn rdev(path: &Path) -> std::io::Result<(u32, u32)> {
@@ -70,14 +70,14 @@ pub(crate) fn fs_options(fs: &str, readonly: bool, flags: &[String]) -> Vec<Stri
 /// costs one 1 KiB read; a gap under one 4 KiB block (a size cut by
 /// limit_bytes to a non-aligned value) is left alone.
 fn grow_ext4_to_device(device: &Path) -> CsiResult<()> {
-    let fs_size = fsutil::ext4_size(device)
+    let fs_size = filesystem::ext4_size(device)
         .map_err(|e| CsiError::internal("reading the ext4 superblock", e))?;
-    let dev_size = fsutil::block_device_size(device)
+    let dev_size = filesystem::block_device_size(device)
         .map_err(|e| CsiError::internal("reading the device size", e))?;
     if dev_size < fs_size + 4096 {
         return Ok(());
     }
-    fsutil::grow_offline(device, "ext4")
+    filesystem::grow_offline(device, "ext4")
         .map_err(|e| CsiError::internal("growing the ext4 filesystem before mounting", e))?;
     tracing::info!(device = %device.display(), from = fs_size, to = dev_size, "ext4 filesystem grown offline to its device");
     Ok(())
@@ -87,7 +87,8 @@ fn grow_ext4_to_device(device: &Path) -> CsiResult<()> {
 /// immutable flag an older fence set): such a generation is never attached
 /// for writing.
 fn fenced_whole(image: &Path) -> bool {
-    crate::fence::marker_path(image).exists() || crate::fsops::is_immutable(image).unwrap_or(false)
+    crate::fence::marker_path(image).exists()
+        || crate::kernel::files::is_immutable(image).unwrap_or(false)
 }
 
 fn overtaken(id: &VolumeId, gen: u64) -> CsiError {
@@ -258,9 +259,9 @@ impl Node {
             )));
         }
         crate::failpoint::pause("stage:attach-checked", pause_key);
-        let (dev, ino) = crate::fsops::dev_ino(image)
+        let (dev, ino) = crate::kernel::files::dev_ino(image)
             .map_err(|e| CsiError::internal("inspecting the image", e))?;
-        let existing = loopdev::find_by_inode(dev, ino)
+        let existing = loop_device::find_by_inode(dev, ino)
             .map_err(|e| CsiError::internal("listing loop devices", e))?;
         let mut ours: Vec<LoopInfo> = existing.into_iter().filter(|l| l.tag == tag).collect();
         // A read-only twin made for a read-only raw block target (see
@@ -276,7 +277,7 @@ impl Node {
             }
             return Ok(lo);
         }
-        loopdev::attach(image, &opts).map_err(|e| {
+        loop_device::attach(image, &opts).map_err(|e| {
             // A fence that did not wait for this attach set the immutable
             // flag meanwhile: that, not the kernel's EPERM, is the reason.
             if !readonly && fenced_whole(image) {
@@ -304,7 +305,7 @@ impl Node {
         // The path may also name another inode by now: a fence that did not wait
         // for this attach, a publish elsewhere and a collection of the released
         // generation (its image and marker gone) may all have happened meanwhile.
-        let same_inode = crate::fsops::dev_ino(image)
+        let same_inode = crate::kernel::files::dev_ino(image)
             .is_ok_and(|(dev, ino)| (dev, ino) == (lo.backing_dev, lo.backing_ino));
         if lo.read_only || (same_inode && !fenced_whole(image)) {
             return Ok(());
@@ -317,7 +318,7 @@ impl Node {
                 tracing::error!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not fence this node's device on a fenced generation");
             }
         }
-        if let Err(e) = loopdev::detach(&lo.device) {
+        if let Err(e) = loop_device::detach(&lo.device) {
             tracing::warn!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not release this node's device on a fenced generation");
         }
         tracing::warn!(volume = %id, generation = gen, device = %lo.device.display(), "a fence overtook this attach: the device is fenced and released");
@@ -378,14 +379,16 @@ impl Node {
                 m.source
             )));
         }
-        match fsutil::probe(&lo.device).map_err(|e| CsiError::internal("probing the device", e))? {
+        match filesystem::probe(&lo.device)
+            .map_err(|e| CsiError::internal("probing the device", e))?
+        {
             FsKind::Blank if readonly => {
                 return Err(CsiError::FailedPrecondition(
                     "the volume is blank and attached read-only: it cannot be formatted".into(),
                 ))
             }
             FsKind::Blank => {
-                fsutil::mkfs(&lo.device, fs)
+                filesystem::mkfs(&lo.device, fs)
                     .map_err(|e| CsiError::internal(&format!("mkfs.{fs}"), e))?;
                 tracing::info!(device = %lo.device.display(), fs, "filesystem created on blank volume");
                 crate::failpoint::hit("stage:after-mkfs");
@@ -525,7 +528,7 @@ impl Node {
                 }
                 self.unmount_users_under_roots(&users)?;
             }
-            loopdev::detach(&lo.device).map_err(|e| {
+            loop_device::detach(&lo.device).map_err(|e| {
                 CsiError::internal(&format!("detaching {}", lo.device.display()), e)
             })?;
             tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), force, "loop device detached");

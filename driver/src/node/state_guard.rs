@@ -189,7 +189,7 @@ impl StateGuard {
         if let Some(dir) = self.remembered.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        crate::fsops::write_atomic(
+        crate::kernel::files::write_atomic(
             &self.remembered,
             &serde_json::to_vec_pretty(&r).map_err(std::io::Error::other)?,
         )
@@ -199,7 +199,7 @@ impl StateGuard {
     /// it. `Ok(None)`: it has no identity yet and nothing is held, so there is nothing to
     /// do. `Err`: do nothing at all (logged here, and shown by [`StateGuard::refusal`]).
     pub fn check(&self, held: &BTreeSet<VolumeId>) -> Result<Option<StateId>, Refusal> {
-        let mounted = crate::mounts::is_mountpoint(&self.state_dir).unwrap_or(false);
+        let mounted = crate::kernel::mounts::is_mountpoint(&self.state_dir).unwrap_or(false);
         let remembered = self.remembered();
         let previously_mount = remembered.as_ref().map(|r| r.was_mount);
         let previous_id = remembered.as_ref().map(|r| r.state.id.clone());

@@ -8,8 +8,8 @@ use fencecsi_proto::v1::*;
 
 use super::Node;
 use crate::error::{CsiError, CsiResult};
-use crate::fsutil;
-use crate::mounts::{self, PathState};
+use crate::kernel::filesystem;
+use crate::kernel::mounts::{self, PathState};
 
 impl Node {
     /// NodeGetVolumeStats: bytes and inodes of the filesystem at the path (the size of a
@@ -89,7 +89,7 @@ impl Node {
         let usage = if is_dir {
             fs_usage(&path)?
         } else {
-            let total = fsutil::block_device_size(&path)
+            let total = filesystem::block_device_size(&path)
                 .map_err(|e| CsiError::internal("reading the block device size", e))?;
             vec![VolumeUsage {
                 available: 0,
@@ -135,7 +135,7 @@ pub(super) fn stale_or_missing(
 
 /// Bytes and inodes of the filesystem mounted at `path`.
 pub(super) fn fs_usage(path: &Path) -> CsiResult<Vec<VolumeUsage>> {
-    let u = fsutil::usage(path).map_err(|e| CsiError::internal("statfs", e))?;
+    let u = filesystem::usage(path).map_err(|e| CsiError::internal("statfs", e))?;
     Ok(vec![
         VolumeUsage {
             available: u.bytes_available as i64,

@@ -11,7 +11,7 @@ use crate::backend::Backend;
 use crate::error::{CsiError, CsiResult};
 use crate::fence::is_fenced_device;
 use crate::ids::VolumeId;
-use crate::loopdev::LoopInfo;
+use crate::kernel::loop_device::LoopInfo;
 use crate::node::node_tag;
 
 use plan::{tag_node, writable};

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use crate::backend::meta::VolumeMeta;
 use crate::fence::is_fenced_device;
 use crate::ids::VolumeId;
-use crate::loopdev::LoopInfo;
+use crate::kernel::loop_device::LoopInfo;
 use crate::node::{node_tag, parse_tag_full};
 
 /// What the plan is made from.

@@ -10,12 +10,12 @@ use serde::Serialize;
 use super::names::Eph;
 use super::params::{Params, KUBELET_PREFIX};
 use crate::error::{CsiError, CsiResult};
-use crate::loopdev::{self, AttachOptions, LoopInfo};
-use crate::mounts;
+use crate::kernel::loop_device::{self, AttachOptions, LoopInfo};
+use crate::kernel::mounts;
+use crate::kernel::{files, filesystem};
 use crate::node::recover::wait_unbound;
 use crate::node::stage::{device_users, fs_options};
 use crate::node::Node;
-use crate::{fsops, fsutil};
 
 const INFO: &str = "volume.json";
 
@@ -66,13 +66,13 @@ impl Node {
         };
         let json = serde_json::to_vec_pretty(&info)
             .map_err(|e| CsiError::internal("encoding the volume info", e))?;
-        fsops::write_atomic(&eph.dir.join(INFO), &json)
+        files::write_atomic(&eph.dir.join(INFO), &json)
             .map_err(|e| CsiError::internal("writing the volume info", e))?;
         let image = eph.image();
-        fsops::create_sparse(&image, params.size)
+        files::create_sparse(&image, params.size)
             .map_err(|e| CsiError::internal(&format!("creating {}", image.display()), e))?;
         crate::failpoint::hit("ephemeral:after-image");
-        let lo = loopdev::attach(
+        let lo = loop_device::attach(
             &image,
             &AttachOptions {
                 read_only: false,
@@ -84,7 +84,7 @@ impl Node {
         )
         .map_err(|e| CsiError::internal(&format!("attaching {}", image.display()), e))?;
         crate::failpoint::hit("ephemeral:after-attach");
-        fsutil::mkfs(&lo.device, &params.fs_type)
+        filesystem::mkfs(&lo.device, &params.fs_type)
             .map_err(|e| CsiError::internal(&format!("mkfs.{}", params.fs_type), e))?;
         crate::failpoint::hit("ephemeral:after-mkfs");
         std::fs::create_dir_all(target)
@@ -132,7 +132,7 @@ impl Node {
     }
 
     pub(super) fn detach_ephemeral(&self, lo: &LoopInfo) -> CsiResult<()> {
-        loopdev::detach(&lo.device)
+        loop_device::detach(&lo.device)
             .map_err(|e| CsiError::internal(&format!("detaching {}", lo.device.display()), e))?;
         // A short-lived opener (udev's probe after mkfs) defers the unbind to its close.
         if !wait_unbound(lo, Duration::from_secs(2)) {
@@ -146,7 +146,7 @@ impl Node {
 pub(super) fn remove_dir(dir: &Path) -> CsiResult<()> {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => {
-            let _ = dir.parent().map(fsops::fsync_dir);
+            let _ = dir.parent().map(files::fsync_dir);
             Ok(())
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

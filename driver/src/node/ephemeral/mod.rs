@@ -59,7 +59,7 @@ use super::{remove_target, Node};
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
-use crate::mounts;
+use crate::kernel::mounts;
 use build::remove_dir;
 use names::is_kubelet_ephemeral_id;
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use crate::error::{CsiError, CsiResult};
-use crate::loopdev::{self, LoopInfo};
+use crate::kernel::loop_device::{self, LoopInfo};
 use crate::node::Node;
 
 /// Below the node state dir.
@@ -93,7 +93,7 @@ impl Node {
 
     /// This node's loop devices of one ephemeral volume.
     pub(super) fn eph_loops(&self, eph: &Eph) -> CsiResult<Vec<LoopInfo>> {
-        Ok(loopdev::list()
+        Ok(loop_device::list()
             .map_err(|e| CsiError::internal("listing loop devices", e))?
             .into_iter()
             .filter(|l| l.tag == eph.tag)
@@ -116,7 +116,7 @@ mod tests {
             owner_tag("node-b", Path::new("/var/lib/kubelet/plugins/d"))
         );
         let tag = format!("{TAG_PREFIX}{key}:{owner}");
-        assert!(tag.len() <= crate::loopdev::MAX_TAG_LEN);
+        assert!(tag.len() <= crate::kernel::loop_device::MAX_TAG_LEN);
         assert_eq!(parse_tag(&tag), Some((key.as_str(), owner.as_str())));
         assert_eq!(
             crate::node::parse_tag_full(&tag),

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 
 use super::names::{parse_tag, KEY_HEX};
 use crate::error::CsiError;
-use crate::loopdev;
+use crate::kernel::loop_device;
 use crate::node::stage::device_users;
 use crate::node::Node;
 
@@ -27,7 +27,7 @@ impl Node {
         let mut out = SweepReport::default();
         let me = self.ephemeral_owner.as_str();
         let mut keys = BTreeSet::new();
-        match loopdev::list() {
+        match loop_device::list() {
             Ok(all) => keys.extend(all.iter().filter_map(|l| {
                 parse_tag(&l.tag)
                     .filter(|(_, n)| *n == me)

@@ -90,7 +90,7 @@ mod ioc {
     nix::ioctl_read!(blkgetsize64, 0x12, 114, u64);
 }
 
-/// BLKGETSIZE64 on an open block device (shared with fsutil).
+/// BLKGETSIZE64 on an open block device (shared with `filesystem`).
 pub(crate) fn blkgetsize64(file: &File) -> Result<u64, Errno> {
     let mut size: u64 = 0;
     unsafe { ioc::blkgetsize64(file.as_raw_fd(), &mut size) }?;
@@ -606,7 +606,7 @@ pub fn drain(device: &Path) -> Result<(), LoopError> {
     remap(device, now.offset, now.size_limit).map(drop)
 }
 
-/// Test helpers shared with the mounts and fsutil tests.
+/// Test helpers shared with the mounts and filesystem tests.
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
@@ -618,7 +618,7 @@ pub(crate) mod test_support {
     /// Skips (loudly) when not root: the tests need real kernel objects.
     macro_rules! require_root {
         () => {
-            if !$crate::loopdev::test_support::is_root() {
+            if !$crate::kernel::loop_device::test_support::is_root() {
                 eprintln!("SKIPPED: needs root for loop devices and mounts");
                 return;
             }
@@ -898,7 +898,7 @@ mod tests {
     #[test]
     fn loopdev_backing_on_xfs_and_btrfs() {
         require_root!();
-        use crate::mounts::test_support::MountGuard;
+        use crate::kernel::mounts::test_support::MountGuard;
         let dir = tempfile::tempdir().unwrap();
         for (kind, size, mkfs) in [
             ("xfs", 300 * MIB, "mkfs.xfs"),
@@ -922,7 +922,7 @@ mod tests {
             );
             let mnt = dir.path().join(format!("{kind}-mnt"));
             std::fs::create_dir(&mnt).unwrap();
-            crate::mounts::mount_device(og.path(), &mnt, kind, &[], false).unwrap();
+            crate::kernel::mounts::mount_device(og.path(), &mnt, kind, &[], false).unwrap();
             let _mg = MountGuard(mnt.clone());
             let inner = sparse_image(&mnt, "gen-1.img", 64 * MIB);
             let ig = LoopGuard::attach(

@@ -358,7 +358,7 @@ pub fn block_device_size(device: &Path) -> Result<u64, FsError> {
     if meta.file_type().is_file() {
         return Ok(meta.len());
     }
-    crate::loopdev::blkgetsize64(&f).map_err(|source| FsError::Sys {
+    crate::kernel::loop_device::blkgetsize64(&f).map_err(|source| FsError::Sys {
         op: "BLKGETSIZE64",
         path: device.to_path_buf(),
         source,
@@ -368,9 +368,11 @@ pub fn block_device_size(device: &Path) -> Result<u64, FsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::loopdev::test_support::{require_root, sparse_image, test_tag, LoopGuard};
-    use crate::loopdev::{self, AttachOptions};
-    use crate::mounts::{self, test_support::MountGuard};
+    use crate::kernel::loop_device::test_support::{
+        require_root, sparse_image, test_tag, LoopGuard,
+    };
+    use crate::kernel::loop_device::{self, AttachOptions};
+    use crate::kernel::mounts::{self, test_support::MountGuard};
     use std::io::{Seek, SeekFrom, Write};
 
     const MIB: u64 = 1 << 20;
@@ -528,7 +530,7 @@ mod tests {
             .unwrap()
             .set_len(new_size)
             .unwrap();
-        assert_eq!(loopdev::set_capacity(lg.path()).unwrap(), new_size);
+        assert_eq!(loop_device::set_capacity(lg.path()).unwrap(), new_size);
         assert_eq!(block_device_size(lg.path()).unwrap(), new_size);
         match grow(lg.path(), &target, kind) {
             Ok(()) => {}

@@ -560,7 +560,7 @@ pub fn path_state(path: &Path) -> PathState {
     }
 }
 
-/// Test helpers shared with the fsutil tests.
+/// Test helpers shared with the filesystem tests.
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
@@ -589,8 +589,10 @@ pub(crate) mod test_support {
 mod tests {
     use super::test_support::MountGuard;
     use super::*;
-    use crate::loopdev::test_support::{require_root, sparse_image, test_tag, LoopGuard};
-    use crate::loopdev::AttachOptions;
+    use crate::kernel::loop_device::test_support::{
+        require_root, sparse_image, test_tag, LoopGuard,
+    };
+    use crate::kernel::loop_device::AttachOptions;
     use std::fs::File;
     use std::io::Write;
     use std::os::fd::AsRawFd;
@@ -843,7 +845,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        crate::fsutil::mkfs(lg.path(), "ext4").unwrap();
+        crate::kernel::filesystem::mkfs(lg.path(), "ext4").unwrap();
         (lg, img)
     }
 
