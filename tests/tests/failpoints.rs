@@ -1,7 +1,10 @@
-//! Failpoints are for tests only (the driver's `failpoints` feature, off by
-//! default): the production binary must not have them, so that no
-//! environment variable can abort the daemon or fake a failed fence probe.
-//! Checked on a built binary and on how the image build resolves features.
+//! Test machinery stays out of the production binaries. Failpoints are for
+//! tests only (the driver's `failpoints` feature, off by default): the
+//! production binary must not have them, so that no environment variable can
+//! abort the daemon or fake a failed fence probe. Nor may the daemons carry the
+//! embedded API server or the controller simulations (fencecsi-cluster's
+//! `embedded` feature). Checked on built binaries' symbols and on how the image
+//! build resolves features.
 
 use std::path::Path;
 use std::process::Command;
@@ -246,4 +249,61 @@ fn the_image_build_leaves_failpoints_off() {
         "`cargo build {}` turns failpoints on: fencecsi-driver {image}",
         selection.join(" ")
     );
+}
+
+/// The names of symbols from the embedded API server and the controller
+/// simulations (fencecsi-cluster's `embedded` feature: modules `embedded`, `sim`),
+/// in either symbol mangling (both length-prefix each path segment).
+fn simulator_symbols(symbols: &[String]) -> Vec<&String> {
+    symbols
+        .iter()
+        .filter(|s| {
+            s.contains("16fencecsi_cluster8embedded") || s.contains("16fencecsi_cluster3sim")
+        })
+        .collect()
+}
+
+/// The three daemons as the image builds them (one `cargo build -p .. -p ..`,
+/// deploy/Dockerfile, without --release) carry neither the embedded API server nor
+/// the simulations: checked on their symbol tables.
+#[test]
+fn the_production_binaries_carry_no_simulator() {
+    // Positive control: this test binary links the embedded cluster (the reference
+    // below keeps it), and the check finds it.
+    std::hint::black_box(fencecsi_cluster::Cluster::embedded as fn() -> fencecsi_cluster::Cluster);
+    let me = std::fs::read(std::env::current_exe().unwrap()).expect("reading the test binary");
+    assert!(
+        !simulator_symbols(&elf_symbols(&me)).is_empty(),
+        "the check finds no embedded-cluster symbol even where it is linked"
+    );
+
+    let target = Path::new(WORKSPACE).join("target/no-failpoints");
+    let bins = ["fencecsi-driver", "fencecsi-attacher", "fencecsi-podgc"];
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.arg("build");
+    for b in bins {
+        cmd.args(["-p", b, "--bin", b]);
+    }
+    let out = cmd
+        .arg("--target-dir")
+        .arg(&target)
+        .current_dir(WORKSPACE)
+        .output()
+        .expect("running cargo build");
+    assert!(
+        out.status.success(),
+        "building the daemons failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for b in bins {
+        let elf = std::fs::read(target.join("debug").join(b)).expect("reading the binary");
+        let symbols = elf_symbols(&elf);
+        assert!(!symbols.is_empty(), "{b} has no symbol table");
+        let found = simulator_symbols(&symbols);
+        assert!(
+            found.is_empty(),
+            "{b} carries the embedded cluster or a simulation: {:?}",
+            &found[..found.len().min(5)]
+        );
+    }
 }
