@@ -608,3 +608,13 @@ pub fn flock_waiter_on(path: &Path) -> bool {
         .lines()
         .any(|l| l.contains("->") && l.contains("FLOCK") && l.split_whitespace().any(|f| f == want))
 }
+
+/// Whether a thread of process `pid` is named `name` (`comm`): how the tests see a
+/// driver thread held at a failpoint's stall point.
+pub fn has_thread_named(pid: u32, name: &str) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name))
+}

@@ -114,6 +114,35 @@ fn elf_symbols(elf: &[u8]) -> Vec<String> {
     names
 }
 
+/// The three daemons, as the image builds them.
+const DAEMONS: [&str; 3] = ["fencecsi-driver", "fencecsi-attacher", "fencecsi-podgc"];
+
+/// Builds the daemons as deploy/Dockerfile does (one `cargo build -p .. -p ..`;
+/// the image adds --release) and returns the target dir they are in. A target
+/// dir of its own on purpose: in the shared one the build would replace
+/// target/debug/fencecsi-driver, which other tests (and other test processes)
+/// run. The first run builds their dependencies there once.
+fn build_daemons() -> std::path::PathBuf {
+    let target = Path::new(WORKSPACE).join("target/no-failpoints");
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.arg("build");
+    for b in DAEMONS {
+        cmd.args(["-p", b, "--bin", b]);
+    }
+    let out = cmd
+        .arg("--target-dir")
+        .arg(&target)
+        .current_dir(WORKSPACE)
+        .output()
+        .expect("running cargo build");
+    assert!(
+        out.status.success(),
+        "building the daemons failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    target
+}
+
 #[test]
 fn the_production_driver_binary_has_no_failpoints() {
     let names = failpoint_names();
@@ -148,27 +177,10 @@ fn the_production_driver_binary_has_no_failpoints() {
         "the binary with failpoints has no failpoint symbols"
     );
 
-    // The driver binary as `cargo build -p fencecsi-driver` makes it (the
-    // image adds --release). A separate build on purpose, in its own target
-    // dir: in the shared one it would replace target/debug/fencecsi-driver,
-    // which other tests (and other test processes) run. The first run builds
-    // all the driver's dependencies there once.
-    let target = Path::new(WORKSPACE).join("target/no-failpoints");
     let started = Instant::now();
-    let out = Command::new(env!("CARGO"))
-        .args(["build", "-p", "fencecsi-driver", "--bin", "fencecsi-driver"])
-        .arg("--target-dir")
-        .arg(&target)
-        .current_dir(WORKSPACE)
-        .output()
-        .expect("running cargo build");
-    assert!(
-        out.status.success(),
-        "building fencecsi-driver without failpoints failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let target = build_daemons();
     eprintln!(
-        "the driver without failpoints built in {:.1?}",
+        "the daemons without failpoints built in {:.1?}",
         started.elapsed()
     );
     let plain = std::fs::read(target.join("debug/fencecsi-driver")).expect("reading the binary");
@@ -277,25 +289,8 @@ fn the_production_binaries_carry_no_simulator() {
         "the check finds no embedded-cluster symbol even where it is linked"
     );
 
-    let target = Path::new(WORKSPACE).join("target/no-failpoints");
-    let bins = ["fencecsi-driver", "fencecsi-attacher", "fencecsi-podgc"];
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.arg("build");
-    for b in bins {
-        cmd.args(["-p", b, "--bin", b]);
-    }
-    let out = cmd
-        .arg("--target-dir")
-        .arg(&target)
-        .current_dir(WORKSPACE)
-        .output()
-        .expect("running cargo build");
-    assert!(
-        out.status.success(),
-        "building the daemons failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for b in bins {
+    let target = build_daemons();
+    for b in DAEMONS {
         let elf = std::fs::read(target.join("debug").join(b)).expect("reading the binary");
         let symbols = elf_symbols(&elf);
         assert!(!symbols.is_empty(), "{b} has no symbol table");

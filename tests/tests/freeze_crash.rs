@@ -176,14 +176,7 @@ fn snapshot(
 
 /// Whether a thread of `pid` waits at a stall point.
 fn stalled(pid: u32) -> bool {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .any(|t| {
-            std::fs::read_to_string(t.path().join("comm"))
-                .is_ok_and(|c| c.trim() == failpoint::STALLED_THREAD)
-        })
+    fencecsi_tests::has_thread_named(pid, failpoint::STALLED_THREAD)
 }
 
 /// Records 0..k intact with nothing after k, and k >= `before`.
