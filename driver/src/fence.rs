@@ -8,11 +8,12 @@
 //!   and every attachment shows only the data (`lo_sizelimit` = data size);
 //! - the fence *remaps* every loop device holding the generation onto a
 //!   [`WINDOW_BYTES`] window inside that trailer (`LOOP_SET_STATUS64`:
-//!   offset = end of data). The call freezes the device's queue, so requests
-//!   already submitted finish first; every later request of more than one
-//!   sector is past the device's end and fails with EIO in the block layer,
-//!   and a request that slipped past the end check before the freeze runs
-//!   with the new offset, so it lands in the trailer, never in the data;
+//!   offset = end of data), in two moves: first it shrinks the device to
+//!   one sector in place, so every new request of more than one sector is
+//!   past the device's end and fails with EIO in the block layer; then,
+//!   after a [`SETTLE`] in which the requests already past the end check
+//!   land in the data, it moves the window into the trailer, so a request
+//!   later still lands there, never in the data;
 //! - `FS_IMMUTABLE_FL` is set as a second layer (refuses new writable opens
 //!   on every filesystem, and writes on ext4), best effort;
 //! - the generation is fsynced so what was written before the fence is durable.
@@ -127,7 +128,17 @@ pub fn marker_path(image: &Path) -> PathBuf {
 /// generation's data size; nothing in `[0, data_bytes)` changes after this
 /// returns Ok.
 pub fn freeze(path: &Path, data_bytes: u64) -> Result<FenceReport, FenceError> {
-    fence(path, data_bytes, true, &|_| true)
+    fence(path, data_bytes, true, &|_| true, SETTLE)
+}
+
+/// [`freeze`] with another settle than [`SETTLE`]: for measuring what the
+/// settle buys (a zero settle is the fence without it).
+pub fn freeze_with_settle(
+    path: &Path,
+    data_bytes: u64,
+    settle: Duration,
+) -> Result<FenceReport, FenceError> {
+    fence(path, data_bytes, true, &|_| true, settle)
 }
 
 /// Fences only the holders `pick` selects (say, a node with no right to a
@@ -138,7 +149,7 @@ pub fn fence_devices(
     data_bytes: u64,
     pick: &dyn Fn(&LoopInfo) -> bool,
 ) -> Result<FenceReport, FenceError> {
-    fence(path, data_bytes, false, pick)
+    fence(path, data_bytes, false, pick, SETTLE)
 }
 
 fn fence(
@@ -146,6 +157,7 @@ fn fence(
     data_bytes: u64,
     immutable: bool,
     pick: &dyn Fn(&LoopInfo) -> bool,
+    settle: Duration,
 ) -> Result<FenceReport, FenceError> {
     let start = Instant::now();
     // The lock orders this fence with node-side attaches, but a node that
@@ -197,16 +209,9 @@ fn fence(
         if end > data_bytes {
             ensure_trailer(path, end)?;
         }
-        let mut new = 0;
-        for lo in &found {
-            let done = if is_fenced_device(lo, data_bytes) {
-                // Already fenced (a retry): the remap is a barrier.
-                loop_device::remap(&lo.device, lo.offset, lo.size_limit)
-            } else {
-                new += 1;
-                shrink_then_move(&lo.device, end)
-            };
-            let after = match done {
+        let (done, new) = remap_pass(&found, data_bytes, end, settle);
+        for (lo, result) in found.iter().zip(done) {
+            let after = match result {
                 Ok(after) => after,
                 // Released meanwhile: nothing holds the data through it any more.
                 Err(loop_device::LoopError::NotBound(_)) => continue,
@@ -284,19 +289,74 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
     Ok(widened)
 }
 
-/// Remaps one device in three steps. A request that passed the block
-/// layer's end-of-device check just before a remap runs after it with the
-/// new window. Shrinking in place first (same offset, one sector) lets such
-/// late requests land where they were meant to, inside the data and before
-/// the fence returns; a barrier then waits for them; only then does the
-/// window move into the trailer, when nothing but a one-sector request at
-/// sector 0 can still be in that gap (and it would land in the trailer,
-/// never in the data).
-fn shrink_then_move(device: &Path, end: u64) -> Result<LoopInfo, loop_device::LoopError> {
+/// How long holders stay shrunk in place before their windows move into the
+/// trailer. A request that passed the block layer's end-of-device check with
+/// the old size runs with whatever window the device has when it gets into
+/// the queue: it may be waiting for the queue a remap froze, or for a CPU
+/// (a pod at its CPU limit waits for the next CFS period, 100 ms in
+/// Kubernetes). During the settle it lands in the data, where it was meant
+/// to, before the fence returns. Moved earlier, it would land in the trailer
+/// and still report success: a write acknowledged after the fence that node
+/// B never sees (tests/tests/fence_inflight.rs shows both).
+pub const SETTLE: Duration = Duration::from_millis(250);
+/// Barriers during the settle: each waits for the late requests that got
+/// into the queue since the last one.
+const SETTLE_BARRIERS: u32 = 5;
+
+/// One pass over the holders: the ones already fenced get a barrier, the
+/// others are shrunk in place, settled for `settle` and moved into the
+/// trailer at `end` (see [`SETTLE`]). Returns each holder's result, in order, and how many
+/// were new.
+fn remap_pass(
+    found: &[LoopInfo],
+    data_bytes: u64,
+    end: u64,
+    settle: Duration,
+) -> (Vec<Result<LoopInfo, loop_device::LoopError>>, usize) {
+    let mut results: Vec<Result<LoopInfo, loop_device::LoopError>> = found
+        .iter()
+        .map(|lo| {
+            if is_fenced_device(lo, data_bytes) {
+                // Already fenced (a retry): the remap is a barrier.
+                loop_device::remap(&lo.device, lo.offset, lo.size_limit)
+            } else {
+                shrink_in_place(&lo.device)
+            }
+        })
+        .collect();
+    let shrunk: Vec<usize> = (0..found.len())
+        .filter(|&i| !is_fenced_device(&found[i], data_bytes) && results[i].is_ok())
+        .collect();
+    let new = found
+        .iter()
+        .filter(|lo| !is_fenced_device(lo, data_bytes))
+        .count();
+    if shrunk.is_empty() {
+        return (results, new);
+    }
+    let barriers = if settle.is_zero() { 0 } else { SETTLE_BARRIERS };
+    for _ in 0..barriers {
+        std::thread::sleep(settle / SETTLE_BARRIERS);
+        for &i in &shrunk {
+            if let Ok(now) = &results[i] {
+                results[i] = loop_device::remap(&now.device, now.offset, now.size_limit);
+            }
+        }
+    }
+    for &i in &shrunk {
+        if results[i].is_ok() {
+            results[i] = loop_device::remap(&found[i].device, end, WINDOW_BYTES);
+        }
+    }
+    (results, new)
+}
+
+/// Shrinks a device to one sector at its current offset: from here the end
+/// check refuses every new request of more than a sector, and the requests
+/// already past it still land in the data (see [`SETTLE`]).
+fn shrink_in_place(device: &Path) -> Result<LoopInfo, loop_device::LoopError> {
     let now = loop_device::status(device)?;
-    loop_device::remap(device, now.offset, WINDOW_BYTES)?;
-    loop_device::remap(device, now.offset, WINDOW_BYTES)?;
-    loop_device::remap(device, end, WINDOW_BYTES)
+    loop_device::remap(device, now.offset, WINDOW_BYTES)
 }
 
 /// Lifts the flag so a released, fenced generation can be deleted. Callers

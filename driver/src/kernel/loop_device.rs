@@ -578,10 +578,12 @@ pub fn set_capacity(device: &Path) -> Result<u64, LoopError> {
 /// every other setting (flags as read just now, name, encryption fields).
 ///
 /// LOOP_SET_STATUS64 freezes the device's request queue (waiting for the
-/// requests already submitted, buffered or async direct I/O), applies the
-/// new offset and size limit, sets the new capacity and unfreezes. So when
-/// this returns, every request that will ever run again sees the new window.
-/// With the same window it is a pure barrier.
+/// requests already in it, buffered or async direct I/O), applies the new
+/// offset and size limit, sets the new capacity and unfreezes. So when this
+/// returns, every request still to run sees the new window, including one
+/// that passed the end-of-device check with the old size but was not yet in
+/// the queue (the fence's settle is for those). With the same window it is a
+/// barrier for the requests in the queue.
 ///
 /// The kernel rewrites the autoclear flag from what we pass, so a
 /// concurrent LOOP_CLR_FD (which sets autoclear on a busy device) could be

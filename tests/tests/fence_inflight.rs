@@ -1,0 +1,350 @@
+//! The fence against writes already under way when it starts: writes that
+//! passed the block layer's end-of-device check with the data's size, then
+//! waited (for the queue the fence freezes, or for a CPU) while the fence
+//! ran. Such a write may land in the data before the fence returns, or fail;
+//! it must never be reported written after the fence returned without being
+//! in the data (it would then be an acknowledged write node B never sees).
+//!
+//! Writer threads, held to a small CPU share by a cgroup v1 `cpu` quota so
+//! that they are often off-CPU in the middle of a submission, write
+//! distinct 4 KiB blocks with O_DIRECT to the raw loop device while the
+//! controller's fence (`fence::freeze`) runs. Every write that completed
+//! without error after the fence returned must be found in the image's data
+//! region. Positive controls: writes reached the data before the fence, and
+//! the writers saw errors after it.
+//!
+//! Rounds: FENCECSI_INFLIGHT_ROUNDS (default 20) per backing filesystem and
+//! loop mode. On btrfs, a positive control then runs rounds without the
+//! settle until one loses a write.
+
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencecsi_driver::fence;
+use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
+use fencecsi_tests::rig::Rng;
+use fencecsi_tests::{monotonic_ns, require_root, Env};
+
+const BLOCK: usize = 4096;
+const DATA: u64 = 16 << 20;
+const WRITERS: usize = 6;
+
+/// One write as its thread saw it.
+struct Write {
+    offset: u64,
+    started: u64,
+    ended: u64,
+    ok: bool,
+    content: [u8; 16],
+}
+
+/// A cgroup v1 `cpu` group this test made, with a quota; removed on drop
+/// (its threads have exited or been moved out by then).
+struct CpuQuota {
+    dir: PathBuf,
+}
+
+impl CpuQuota {
+    /// `quota_us` of CPU time every `period_us`, or None where the cpu
+    /// controller is not mounted at /sys/fs/cgroup/cpu (v1).
+    fn new(name: &str, period_us: u64, quota_us: u64) -> Option<CpuQuota> {
+        let root = Path::new("/sys/fs/cgroup/cpu");
+        if !root.join("cpu.cfs_quota_us").exists() {
+            return None;
+        }
+        let dir = root.join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir(&dir).ok()?;
+        let q = CpuQuota { dir };
+        std::fs::write(q.dir.join("cpu.cfs_period_us"), period_us.to_string()).ok()?;
+        std::fs::write(q.dir.join("cpu.cfs_quota_us"), quota_us.to_string()).ok()?;
+        Some(q)
+    }
+
+    /// Moves the calling thread into the group.
+    fn enter(&self) {
+        let tid = nix::unistd::gettid().as_raw();
+        std::fs::write(self.dir.join("tasks"), tid.to_string())
+            .unwrap_or_else(|e| panic!("moving thread {tid} into {}: {e}", self.dir.display()));
+    }
+}
+
+impl Drop for CpuQuota {
+    fn drop(&mut self) {
+        // The writer threads have exited; rmdir fails (EBUSY) only while a
+        // task is left in the group, and then says so.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("could not remove cgroup {}", self.dir.display());
+    }
+}
+
+fn block_content(round: u64, thread: usize, seq: u64) -> [u8; 16] {
+    let mut c = [0u8; 16];
+    c[..8].copy_from_slice(&round.to_le_bytes());
+    c[8..12].copy_from_slice(&(thread as u32).to_le_bytes());
+    c[12..].copy_from_slice(&(seq as u32).to_le_bytes());
+    c
+}
+
+/// Writes distinct blocks to `device` with O_DIRECT, round-robin over this
+/// thread's slice of the data, until `stop`.
+fn write_blocks(
+    device: PathBuf,
+    round: u64,
+    thread: usize,
+    quota: Option<Arc<CpuQuota>>,
+    stop: Arc<AtomicBool>,
+    done: Arc<AtomicUsize>,
+) -> Vec<Write> {
+    if let Some(q) = &quota {
+        q.enter();
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&device)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", device.display()));
+    let layout = std::alloc::Layout::from_size_align(BLOCK, BLOCK).unwrap();
+    // SAFETY: a non-zero, aligned layout; freed below.
+    let ptr = unsafe { std::alloc::alloc(layout) };
+    // SAFETY: `ptr` is valid for BLOCK bytes until dealloc.
+    let buf = unsafe { std::slice::from_raw_parts_mut(ptr, BLOCK) };
+    let slice = DATA / WRITERS as u64 / BLOCK as u64;
+    let mut log = Vec::new();
+    let mut seq = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let content = block_content(round, thread, seq);
+        for chunk in buf.chunks_mut(16) {
+            chunk.copy_from_slice(&content);
+        }
+        let offset = (thread as u64 * slice + seq % slice) * BLOCK as u64;
+        let started = monotonic_ns();
+        let ok = file.write_all_at(buf, offset).is_ok();
+        let ended = monotonic_ns();
+        if ok {
+            done.fetch_add(1, Ordering::Relaxed);
+        } else {
+            // A fenced device fails at once: no need for thousands of them.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        log.push(Write {
+            offset,
+            started,
+            ended,
+            ok,
+            content,
+        });
+        seq += 1;
+    }
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(ptr, layout) };
+    log
+}
+
+struct RoundResult {
+    before_ok: usize,
+    errors_after: usize,
+    /// Completed without error after the fence returned, and not in the data.
+    lost: Vec<u64>,
+    /// Began after the fence returned and completed without error.
+    begun_after: usize,
+}
+
+fn one_round(
+    env: &Env,
+    round: u64,
+    direct_io: bool,
+    delay_ms: u64,
+    quota: &Option<Arc<CpuQuota>>,
+    settle: Duration,
+    after: Duration,
+) -> RoundResult {
+    let image = env.path().join(format!("inflight-{round}.img"));
+    fencecsi_driver::kernel::files::create_sparse(&image, DATA).unwrap();
+    fence::ensure_trailer(&image, DATA).unwrap();
+    let lo = loop_device::attach(
+        &image,
+        &AttachOptions {
+            read_only: false,
+            direct_io,
+            tag: format!("fcsi-test-inflight-{round}"),
+            size_limit: DATA,
+            logical_block_size: 0,
+        },
+    )
+    .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..WRITERS)
+        .map(|t| {
+            let (d, q, s, n) = (lo.device.clone(), quota.clone(), stop.clone(), done.clone());
+            std::thread::spawn(move || write_blocks(d, round, t, q, s, n))
+        })
+        .collect();
+    // Writes reach the data first (the positive control), then the fence
+    // comes at a random moment.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while done.load(Ordering::Relaxed) < WRITERS {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "round {round}: no writes within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(delay_ms));
+    let fenced = fence::freeze_with_settle(&image, DATA, settle);
+    let returned = monotonic_ns();
+    // The writers go on for a while against the fenced device.
+    std::thread::sleep(after);
+    stop.store(true, Ordering::Relaxed);
+    let logs: Vec<Write> = threads
+        .into_iter()
+        .flat_map(|t| t.join().expect("writer thread"))
+        .collect();
+    let report = fenced.unwrap_or_else(|e| panic!("round {round}: the fence must be made: {e}"));
+    assert_eq!(report.fenced.len(), 1, "round {round}: one holder fenced");
+    let data = std::fs::File::open(&image).unwrap();
+    let in_data = |w: &Write| {
+        let mut got = [0u8; 16];
+        data.read_exact_at(&mut got, w.offset).unwrap();
+        got == w.content
+    };
+    let result = RoundResult {
+        before_ok: logs.iter().filter(|w| w.ok && w.ended < returned).count(),
+        errors_after: logs.iter().filter(|w| !w.ok && w.ended > returned).count(),
+        lost: logs
+            .iter()
+            .filter(|w| w.ok && w.ended > returned && !in_data(w))
+            .map(|w| w.offset)
+            .collect(),
+        begun_after: logs.iter().filter(|w| w.ok && w.started > returned).count(),
+    };
+    loop_device::detach(&lo.device).unwrap();
+    fence::thaw(&image).unwrap();
+    std::fs::remove_file(&image).unwrap();
+    let _ = std::fs::remove_file(fence::marker_path(&image));
+    result
+}
+
+fn inflight(backing: &str) {
+    require_root!();
+    let rounds: u64 = std::env::var("FENCECSI_INFLIGHT_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let (mut rng, seed) = Rng::from_env("FENCECSI_TORTURE_SEED");
+    let outer = Env::new();
+    let mnt = fencecsi_tests::backing_fs(&outer, backing, 2 << 30);
+    let env = Env::new_in(&mnt);
+    // 1 ms of CPU every 5 ms for the writers: often off-CPU mid-submission.
+    let quota = CpuQuota::new(&format!("fcsi-test-inflight-{backing}"), 5000, 1000).map(Arc::new);
+    eprintln!(
+        "fence with writes in flight on {backing}: {rounds} rounds per loop mode, seed {seed}, writers {}",
+        if quota.is_some() { "CPU-throttled (1 ms per 5 ms)" } else { "unthrottled (no cgroup v1 cpu controller)" }
+    );
+    let mut lost_total = Vec::new();
+    for direct_io in [false, true] {
+        let (mut before, mut errors, mut late) = (0, 0, 0);
+        for r in 0..rounds {
+            let round = r + u64::from(direct_io) * rounds;
+            let res = one_round(
+                &env,
+                round,
+                direct_io,
+                rng.range(5, 40),
+                &quota,
+                fence::SETTLE,
+                Duration::from_millis(150),
+            );
+            assert!(
+                res.before_ok > 0,
+                "round {round}: control: writes reached the data before the fence"
+            );
+            assert_eq!(
+                res.begun_after, 0,
+                "round {round}: writes that began after the fence returned were acknowledged"
+            );
+            before += res.before_ok;
+            errors += res.errors_after;
+            late += res.lost.len();
+            if !res.lost.is_empty() {
+                eprintln!(
+                    "  round {round} (loop dio={direct_io}): {} writes reported done after the fence are not in the data: offsets {:?}",
+                    res.lost.len(),
+                    &res.lost[..res.lost.len().min(5)]
+                );
+                lost_total.extend(res.lost);
+            }
+        }
+        eprintln!(
+            "  {backing}, loop dio={direct_io}: {before} writes before the fence, {errors} errors after it, {late} lost"
+        );
+        assert!(
+            errors > 0,
+            "control: the writers saw errors after the fence"
+        );
+    }
+    if backing == "btrfs" {
+        race_control(&env, &mut rng, &quota);
+    }
+    drop(quota);
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+    assert!(
+        lost_total.is_empty(),
+        "{backing}: {} writes were reported done after the fence returned but are not in the data (seed {seed})",
+        lost_total.len()
+    );
+}
+
+/// Positive control: the same rounds with a zero settle (the window moves
+/// into the trailer right after the shrink) do lose writes, so these rounds
+/// do put writes in flight across the fence. Stops at the first loss.
+fn race_control(env: &Env, rng: &mut Rng, quota: &Option<Arc<CpuQuota>>) {
+    // About one round in 20 to 90 loses a write here.
+    const MAX_ROUNDS: u64 = 1000;
+    for r in 0..MAX_ROUNDS {
+        let direct_io = r % 2 == 1;
+        let res = one_round(
+            env,
+            10_000 + r,
+            direct_io,
+            rng.range(5, 40),
+            quota,
+            Duration::ZERO,
+            Duration::from_millis(30),
+        );
+        if !res.lost.is_empty() {
+            eprintln!(
+                "  control: with no settle, round {r} (loop dio={direct_io}) lost {} writes reported done after the fence",
+                res.lost.len()
+            );
+            return;
+        }
+    }
+    panic!("control: {MAX_ROUNDS} rounds without a settle lost no write: these rounds do not race the fence");
+}
+
+#[test]
+fn fence_with_writes_in_flight_backing_btrfs() {
+    inflight("btrfs");
+}
+
+#[test]
+fn fence_with_writes_in_flight_backing_xfs() {
+    inflight("xfs");
+}
+
+#[test]
+fn fence_with_writes_in_flight_backing_ext4() {
+    inflight("ext4");
+}
