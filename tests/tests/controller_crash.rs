@@ -18,7 +18,7 @@ use fencecsi_driver::failpoint;
 use fencecsi_driver::fence::{holders, is_fenced_device, marker_path};
 use fencecsi_driver::ids::{Parsed, VolumeId};
 use fencecsi_proto::client::CsiClient;
-use fencecsi_tests::rig::{fresh_driver_binary, Placement, Rig};
+use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
 use fencecsi_tests::{
     csi, generation_path, mount_cap, region_hash, require_root, wait_for_socket, Access, Env,
     Process,
@@ -393,6 +393,79 @@ async fn a_crash_in_the_middle_of_garbage_collection() {
         assert_records(&b.target, &run.records, fp);
         run.finish(Some(b)).await;
     }
+}
+
+/// The snapshot directories in the state dir.
+fn snapshot_dirs(env: &Env) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(env.state_dir().join("snapshots"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Killed after a snapshot's copy, before its record: the next start removes
+/// the copy nobody recorded, and the retried CreateSnapshot makes one snapshot
+/// that holds every record. The volume was thawed before the crash: A writes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_snapshot_copy_and_its_record() {
+    require_root!();
+    const FP: &str = "snapshot:after-copy";
+    let mut run = Run::start(FP, "ext4", SIZE, NO_GC).await;
+    let request = csi::CreateSnapshotRequest {
+        name: "snap-crash".into(),
+        source_volume_id: run.vol.clone(),
+        ..Default::default()
+    };
+    run.rig
+        .controller
+        .controller
+        .create_snapshot(request.clone())
+        .await
+        .expect_err("the snapshot dies with the controller");
+    assert_eq!(
+        snapshot_dirs(&run.env).len(),
+        1,
+        "control: the crash left the copy behind"
+    );
+    run.restart_after_crash(FP, NO_GC).await;
+    assert_eq!(
+        snapshot_dirs(&run.env),
+        Vec::<String>::new(),
+        "the start-up pass removed the unrecorded copy"
+    );
+    write_and_sync(&run.a.target, "after-crash").expect("A writes after the crash");
+    let snap = run
+        .rig
+        .controller
+        .controller
+        .create_snapshot(request)
+        .await
+        .expect("the retried snapshot")
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_eq!(snapshot_dirs(&run.env), [snap.snapshot_id.clone()]);
+    let restored = run
+        .rig
+        .create_volume(csi::CreateVolumeRequest {
+            volume_content_source: from_snapshot(&snap.snapshot_id),
+            ..create_request("restored", SIZE, &run.cap)
+        })
+        .await
+        .unwrap();
+    let b = run
+        .rig
+        .attach(&run.env, &restored.volume_id, "node-b", "pod-b", &run.cap)
+        .await
+        .unwrap();
+    assert_records(&b.target, &run.records, FP);
+    run.rig.detach_and_delete(&b).await.unwrap();
+    run.rig.delete_snapshot(snap.snapshot_id).await;
+    run.finish(None).await;
 }
 
 /// Whether a thread of `pid` waits at a stall point.

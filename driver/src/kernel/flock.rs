@@ -2,6 +2,11 @@
 //! for good).
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Takes an advisory `flock` on `file` (shared or exclusive), waiting at most
@@ -9,10 +14,10 @@ use std::time::Duration;
 /// `ErrorKind::TimedOut`.
 ///
 /// The wait is a real blocking `flock` (so the kernel lists the waiter in
-/// /proc/locks) on a thread of its own: past the bound that thread is left
-/// waiting, and when it gets the lock it finds nobody to hand it to and lets
-/// go at once. So a holder that never lets go costs one parked thread per
-/// timed-out wait, never a call that hangs.
+/// /proc/locks) on a thread of its own. Past the bound that thread is
+/// interrupted (a signal with a handler that does nothing, so the `flock`
+/// fails with EINTR) and ends: a holder that never lets go costs neither a
+/// call that hangs nor a thread left behind.
 pub fn flock_within(file: File, exclusive: bool, bound: Duration) -> std::io::Result<File> {
     let tried = if exclusive {
         file.try_lock()
@@ -25,22 +30,84 @@ pub fn flock_within(file: File, exclusive: bool, bound: Duration) -> std::io::Re
         Err(std::fs::TryLockError::WouldBlock) if bound.is_zero() => return Err(timed_out(bound)),
         Err(std::fs::TryLockError::WouldBlock) => {}
     }
+    let signal = interrupt_signal()?;
+    let abandoned = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    std::thread::Builder::new()
+    let waiter = std::thread::Builder::new()
         .name("flock-wait".into())
-        .spawn(move || {
-            let locked = if exclusive {
-                file.lock()
-            } else {
-                file.lock_shared()
-            };
-            // Nobody waits any more: the file (and its lock) drops here.
-            let _ = tx.send(locked.map(|()| file));
+        .spawn({
+            let abandoned = abandoned.clone();
+            move || {
+                let _ = tx.send(wait_for_lock(file, exclusive, &abandoned));
+            }
         })?;
-    match rx.recv_timeout(bound) {
+    let result = match rx.recv_timeout(bound) {
         Ok(locked) => locked,
-        Err(_) => Err(timed_out(bound)),
+        Err(_) => {
+            abandoned.store(true, Ordering::SeqCst);
+            // Repeated: a signal that came before the thread was in `flock`
+            // interrupted nothing. The thread checks `abandoned` before each wait.
+            loop {
+                // SAFETY: the thread is not joined yet, so its pthread_t is valid.
+                unsafe { libc::pthread_kill(waiter.as_pthread_t(), signal) };
+                match rx.recv_timeout(Duration::from_millis(5)) {
+                    // It got the lock just now: as good as within the bound.
+                    Ok(Ok(file)) => break Ok(file),
+                    Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => {
+                        break Err(timed_out(bound))
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                }
+            }
+        }
+    };
+    let _ = waiter.join();
+    result
+}
+
+/// The blocking wait of [`flock_within`]'s thread: `flock` until it is taken,
+/// fails, or is interrupted after the caller gave up.
+fn wait_for_lock(file: File, exclusive: bool, abandoned: &AtomicBool) -> std::io::Result<File> {
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    };
+    loop {
+        if abandoned.load(Ordering::SeqCst) {
+            return Err(std::io::Error::from_raw_os_error(libc::EINTR));
+        }
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(file);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
     }
+}
+
+/// The real-time signal that interrupts an abandoned wait, its do-nothing
+/// handler installed once (without SA_RESTART, so `flock` returns EINTR).
+fn interrupt_signal() -> std::io::Result<libc::c_int> {
+    static INSTALLED: OnceLock<Result<libc::c_int, i32>> = OnceLock::new();
+    extern "C" fn interrupt(_: libc::c_int) {}
+    let installed = INSTALLED.get_or_init(|| {
+        // Past the ones glibc keeps for itself (SIGRTMIN() already skips them).
+        let signal = libc::SIGRTMIN() + 4;
+        // SAFETY: a zeroed sigaction with a handler that touches nothing.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = interrupt as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
+            }
+        }
+        Ok(signal)
+    });
+    installed.map_err(std::io::Error::from_raw_os_error)
 }
 
 fn timed_out(bound: Duration) -> std::io::Error {
@@ -69,15 +136,43 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(start.elapsed() >= Duration::from_millis(100));
+        // The waiter thread is gone, not parked in flock (the kernel would
+        // list it in /proc/locks as a waiter on the file).
+        assert!(
+            !waiter_listed(&path),
+            "a timed-out wait left a waiter on the lock"
+        );
         // Control: a waiter gets the lock once it is released, and the
         // waiter left behind above lets go of it at once.
         let waiter = std::thread::spawn({
             let path = path.clone();
             move || flock_within(File::open(&path).unwrap(), true, Duration::from_secs(10))
         });
+        // Control for the check above: a wait still under way is listed.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !waiter_listed(&path) {
+            assert!(Instant::now() < deadline, "a waiting flock is never listed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         drop(held);
         let again = waiter.join().unwrap().expect("the lock once released");
         drop(again);
         flock_within(File::open(&path).unwrap(), true, Duration::from_secs(10)).unwrap();
+    }
+
+    /// Whether /proc/locks lists a blocked waiter (`->` lines) on `path`.
+    fn waiter_listed(path: &std::path::Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).unwrap();
+        let id = format!(
+            "{:02x}:{:02x}:{}",
+            libc::major(m.dev()),
+            libc::minor(m.dev()),
+            m.ino()
+        );
+        std::fs::read_to_string("/proc/locks")
+            .unwrap()
+            .lines()
+            .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
     }
 }
