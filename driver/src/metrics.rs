@@ -6,6 +6,7 @@
 //! | `fencecsi_driver_operations_seconds` | histogram | `driver_name`, `grpc_status_code`, `method_name` | all |
 //! | `fencecsi_driver_fence_seconds` | histogram | `result` (`success`, `error`) | controller |
 //! | `fencecsi_driver_fence_probe_ok` | gauge | - | controller |
+//! | `fencecsi_driver_fence_late_writes_total` | counter | - | controller |
 //! | `fencecsi_driver_loop_devices` | gauge | `fenced` (`true`, `false`) | node |
 //!
 //! `operations_seconds` is the plugin's side of the sidecars' `csi_sidecar_operations_seconds`:
@@ -18,6 +19,8 @@
 //! some of its holders), from the call into the backend until every holder shows only
 //! the window or the fence failed; the start-up probe's fences are not counted, its
 //! outcome is `fence_probe_ok` (1: the fence is offered, 0: refused, see the log).
+//! `fence_late_writes_total` counts fenced generations that garbage collection found
+//! written past their data (`fence::late_write_at`; logged at error with the volume).
 //!
 //! `loop_devices` is read from the kernel at every scrape: the bound loop devices whose
 //! tag names this node (never metadata), split by whether a device shows only a fence
@@ -31,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -126,6 +130,7 @@ pub fn method_name(path: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct FenceMetrics {
     seconds: HistogramFamily<ResultLabels>,
+    late_writes: Counter,
 }
 
 impl Default for FenceMetrics {
@@ -135,7 +140,10 @@ impl Default for FenceMetrics {
         for result in [SUCCESS, ERROR] {
             let _ = seconds.get_or_create(&ResultLabels { result });
         }
-        FenceMetrics { seconds }
+        FenceMetrics {
+            seconds,
+            late_writes: Counter::default(),
+        }
     }
 }
 
@@ -145,6 +153,12 @@ impl FenceMetrics {
         self.seconds
             .get_or_create(&ResultLabels { result })
             .observe(took.as_secs_f64());
+    }
+
+    /// Counts a fenced generation found written past its data when collected
+    /// (see `fence::late_write_at`).
+    pub fn late_write_found(&self) {
+        self.late_writes.inc();
     }
 
     /// Times `f`, a fence, and records its outcome.
@@ -241,6 +255,11 @@ impl Metrics {
                 "fence_seconds",
                 "Time to make a write fence (every holder remapped to the fence window, the generation fsynced), by result",
                 c.fence_metrics.seconds.clone(),
+            );
+            registry.register(
+                "fence_late_writes",
+                "Fenced generations found, when garbage collection removed them, with data written past their data after the fence (a write reported done to the fenced node that is not in the data)",
+                c.fence_metrics.late_writes.clone(),
             );
             let probe = Gauge::<i64>::default();
             probe.set(i64::from(c.fence_available()));

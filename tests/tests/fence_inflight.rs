@@ -10,8 +10,10 @@
 //! distinct 4 KiB blocks with O_DIRECT to the raw loop device while the
 //! controller's fence (`fence::freeze`) runs. Every write that completed
 //! without error after the fence returned must be found in the image's data
-//! region. Positive controls: writes reached the data before the fence, and
-//! the writers saw errors after it.
+//! region, and `fence::late_write_at` (what garbage collection reports) finds
+//! nothing past the window. Positive controls: writes reached the data before
+//! the fence, and the writers saw errors after it; without the settle, rounds
+//! lose such writes and `late_write_at` finds them.
 //!
 //! Rounds: FENCECSI_INFLIGHT_ROUNDS (default 20) per backing filesystem and
 //! loop mode. On btrfs, a positive control then runs rounds without the
@@ -117,7 +119,9 @@ fn write_blocks(
     let ptr = unsafe { std::alloc::alloc(layout) };
     // SAFETY: `ptr` is valid for BLOCK bytes until dealloc.
     let buf = unsafe { std::slice::from_raw_parts_mut(ptr, BLOCK) };
-    let slice = DATA / WRITERS as u64 / BLOCK as u64;
+    // Block 0 is left out: a late write there would land in the fence
+    // window's own block, which `late_write_at` does not look at.
+    let slice = (DATA / BLOCK as u64 - 1) / WRITERS as u64;
     let mut log = Vec::new();
     let mut seq = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -125,7 +129,7 @@ fn write_blocks(
         for chunk in buf.chunks_mut(16) {
             chunk.copy_from_slice(&content);
         }
-        let offset = (thread as u64 * slice + seq % slice) * BLOCK as u64;
+        let offset = (1 + thread as u64 * slice + seq % slice) * BLOCK as u64;
         let started = monotonic_ns();
         let ok = file.write_all_at(buf, offset).is_ok();
         let ended = monotonic_ns();
@@ -156,6 +160,8 @@ struct RoundResult {
     lost: Vec<u64>,
     /// Began after the fence returned and completed without error.
     begun_after: usize,
+    /// `fence::late_write_at` on the image once the writers stopped.
+    late: Option<u64>,
 }
 
 fn one_round(
@@ -217,6 +223,9 @@ fn one_round(
         data.read_exact_at(&mut got, w.offset).unwrap();
         got == w.content
     };
+    // What the controller's collection would find in the image: data past
+    // the window exactly when writes landed there.
+    let late = fence::late_write_at(&image, DATA).unwrap();
     let result = RoundResult {
         before_ok: logs.iter().filter(|w| w.ok && w.ended < returned).count(),
         errors_after: logs.iter().filter(|w| !w.ok && w.ended > returned).count(),
@@ -226,6 +235,7 @@ fn one_round(
             .map(|w| w.offset)
             .collect(),
         begun_after: logs.iter().filter(|w| w.ok && w.started > returned).count(),
+        late,
     };
     loop_device::detach(&lo.device).unwrap();
     fence::thaw(&image).unwrap();
@@ -271,6 +281,12 @@ fn inflight(backing: &str) {
             assert_eq!(
                 res.begun_after, 0,
                 "round {round}: writes that began after the fence returned were acknowledged"
+            );
+            assert_eq!(
+                res.late.is_some(),
+                !res.lost.is_empty(),
+                "round {round}: data past the window ({:?}) exactly when writes were lost",
+                res.late
             );
             before += res.before_ok;
             errors += res.errors_after;
@@ -324,6 +340,10 @@ fn race_control(env: &Env, rng: &mut Rng, quota: &Option<Arc<CpuQuota>>) {
             Duration::from_millis(30),
         );
         if !res.lost.is_empty() {
+            assert!(
+                res.late.is_some(),
+                "control: the lost writes of round {r} are seen in the image by fence::late_write_at"
+            );
             eprintln!(
                 "  control: with no settle, round {r} (loop dio={direct_io}) lost {} writes reported done after the fence",
                 res.lost.len()

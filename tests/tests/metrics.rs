@@ -113,6 +113,11 @@ async fn metrics_endpoint_counts_rpcs_by_code_fences_and_loop_devices() {
         Some(1.0),
         "the fence is proven on the test dir:\n{text}"
     );
+    assert_eq!(
+        sample(&text, "fencecsi_driver_fence_late_writes_total", ""),
+        Some(0.0),
+        "no late write, and the counter is there from the start:\n{text}"
+    );
     assert_eq!(loop_gauge(&text), (0.0, 0.0));
     // The plugin's own readiness check (wait_for_socket) went through the layer.
     assert!(

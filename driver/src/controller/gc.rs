@@ -71,6 +71,7 @@ impl Controller {
                     tracing::error!(volume = %id, generation = gen, "fenced generation kept: {why}");
                     continue;
                 }
+                self.report_late_writes(&id, &v, gen);
                 if let Err(e) = self.backend.remove_generation(&id, gen) {
                     tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
                     continue;
@@ -102,6 +103,23 @@ impl Controller {
             }
         }
         removed
+    }
+
+    /// Says so, loudly, when the fenced generation about to go holds data
+    /// past its data (`fence::late_write_at`): a write node A was told was
+    /// done that is in neither this generation's data nor the new one's.
+    fn report_late_writes(&self, id: &VolumeId, v: &VolumeMeta, gen: u64) {
+        let path = self.backend.generation_path(id, gen);
+        match crate::fence::late_write_at(&path, v.data_bytes(gen)) {
+            Ok(None) => {}
+            Ok(Some(at)) => {
+                self.fence_metrics.late_write_found();
+                tracing::error!(volume = %id, generation = gen, offset = at, "the fenced generation was written past its data after the fence: a write reported done to the fenced node is not in the volume");
+            }
+            Err(e) => {
+                tracing::warn!(volume = %id, generation = gen, error = %e, "could not check the fenced generation for late writes")
+            }
+        }
     }
 
     /// Why superseded generation `gen` may hold data the current one lacks

@@ -220,6 +220,21 @@ pub fn can_reflink(dir: &Path) -> bool {
 /// hundred MB/s, a window that closes stops the copy within a fraction of a second.
 const COPY_CHUNK: u64 = 64 << 20;
 
+/// The first offset at or after `from` that holds data (SEEK_DATA), None when
+/// only holes follow.
+pub fn first_data_at_or_after(path: &Path, from: u64) -> io::Result<Option<u64>> {
+    let f = std::fs::File::open(path)?;
+    // SAFETY: lseek on a descriptor this function owns.
+    let at = unsafe { libc::lseek(f.as_raw_fd(), from as libc::off_t, libc::SEEK_DATA) };
+    if at >= 0 {
+        return Ok(Some(at as u64));
+    }
+    match io::Error::last_os_error() {
+        e if e.raw_os_error() == Some(libc::ENXIO) => Ok(None),
+        e => Err(e),
+    }
+}
+
 /// Copies only the data extents (SEEK_DATA/SEEK_HOLE), keeping holes; stops
 /// when `window` closes (checked before each range of at most [`COPY_CHUNK`]).
 fn sparse_copy(src: &File, dst: &File, limit: u64, window: &dyn SourceWindow) -> io::Result<()> {
