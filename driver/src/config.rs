@@ -12,6 +12,7 @@ pub const DEFAULT_MAX_VOLUMES_PER_NODE: i64 = 64;
 pub const DEFAULT_FS_TYPE: &str = "ext4";
 pub const DEFAULT_GC_INTERVAL: &str = "10s";
 pub const DEFAULT_MAX_FREEZE: &str = "10s";
+pub const DEFAULT_FENCE_SETTLE: &str = "250ms";
 pub const DEFAULT_OVERCOMMIT_RATIO: f64 = 1.0;
 pub const DEFAULT_CAPACITY_RESERVE: CapacityReserve = CapacityReserve::Percent(5.0);
 
@@ -63,6 +64,20 @@ impl Extensions {
 
 pub use fencecsi_cluster::cli::{default_duration, parse_duration, LogFormat};
 pub use fencecsi_cluster::http::HttpEndpoint;
+
+/// `--fence-settle`: from 10 ms (a shorter settle gives a late write hardly any
+/// time to land) to 10 s (a fence must answer well within 15 s).
+pub fn parse_fence_settle(s: &str) -> Result<std::time::Duration, String> {
+    let d = parse_duration(s)?;
+    let (min, max) = (
+        std::time::Duration::from_millis(10),
+        std::time::Duration::from_secs(10),
+    );
+    if d < min || d > max {
+        return Err(format!("{s:?}: the fence settle must be from 10ms to 10s"));
+    }
+    Ok(d)
+}
 
 /// `--max-freeze`: a duration of at least one second (a freeze shorter than
 /// that would refuse even small copies on a busy machine).
@@ -234,6 +249,18 @@ pub struct Config {
     #[arg(long = "max-freeze", default_value = DEFAULT_MAX_FREEZE, value_parser = parse_max_freeze)]
     pub max_freeze: std::time::Duration,
 
+    /// How long a fence keeps each device shrunk in place before it moves the
+    /// device's window into the trailer, from 10ms to 10s ("250ms", "1s"). A
+    /// write that passed the block layer's end check before the shrink but
+    /// reaches the device's queue only after the move (its task held off a
+    /// CPU that long: a pod throttled at its CPU limit waits up to a CFS
+    /// period, 100 ms in Kubernetes) is reported done to the fenced node and
+    /// is not in the volume. The counter fencecsi_driver_fence_late_writes_total
+    /// shows when that happened: raise this then. Every fence takes this long
+    /// more.
+    #[arg(long = "fence-settle", default_value = DEFAULT_FENCE_SETTLE, value_parser = parse_fence_settle)]
+    pub fence_settle: std::time::Duration,
+
     /// Node return: how often the node plugin looks for volumes whose attachment was
     /// fenced away from this node and force-releases them (mounts, globalmount dir, loop
     /// device). A pass also runs at start. "10s", "500ms", "2m" or plain seconds; 0 turns
@@ -378,6 +405,7 @@ impl Config {
             log_format: LogFormat::default(),
             gc_interval: default_duration(DEFAULT_GC_INTERVAL),
             max_freeze: default_duration(DEFAULT_MAX_FREEZE),
+            fence_settle: default_duration(DEFAULT_FENCE_SETTLE),
             // Off for tests and embedders unless they ask: a background pass would race
             // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
             recover_interval: std::time::Duration::ZERO,
@@ -429,6 +457,27 @@ mod tests {
         }
         assert_eq!(Percent(5.0).bytes_of(1000), 50);
         assert_eq!(Bytes(2000).bytes_of(1000), 1000);
+    }
+
+    #[test]
+    fn fence_settle_is_a_duration_from_10ms_to_10s() {
+        let base = ["fencecsi-driver", "--mode=controller"];
+        let cfg = Config::try_parse_from(base).unwrap();
+        assert_eq!(cfg.fence_settle, crate::fence::SETTLE);
+        let cfg =
+            Config::try_parse_from(base.iter().copied().chain(["--fence-settle=1s"])).unwrap();
+        assert_eq!(cfg.fence_settle, std::time::Duration::from_secs(1));
+        for bad in [
+            "--fence-settle=0",
+            "--fence-settle=5ms",
+            "--fence-settle=11s",
+            "--fence-settle=later",
+        ] {
+            assert!(
+                Config::try_parse_from(base.iter().copied().chain([bad])).is_err(),
+                "{bad} accepted"
+            );
+        }
     }
 
     #[test]

@@ -131,8 +131,9 @@ pub fn freeze(path: &Path, data_bytes: u64) -> Result<FenceReport, FenceError> {
     fence(path, data_bytes, true, &|_| true, SETTLE)
 }
 
-/// [`freeze`] with another settle than [`SETTLE`]: for measuring what the
-/// settle buys (a zero settle is the fence without it).
+/// [`freeze`] with another settle than [`SETTLE`] (the controller's
+/// `--fence-settle`; a zero settle, for measuring what the settle buys, is the
+/// fence without it).
 pub fn freeze_with_settle(
     path: &Path,
     data_bytes: u64,
@@ -150,6 +151,16 @@ pub fn fence_devices(
     pick: &dyn Fn(&LoopInfo) -> bool,
 ) -> Result<FenceReport, FenceError> {
     fence(path, data_bytes, false, pick, SETTLE)
+}
+
+/// [`fence_devices`] with another settle than [`SETTLE`].
+pub fn fence_devices_with_settle(
+    path: &Path,
+    data_bytes: u64,
+    pick: &dyn Fn(&LoopInfo) -> bool,
+    settle: Duration,
+) -> Result<FenceReport, FenceError> {
+    fence(path, data_bytes, false, pick, settle)
 }
 
 fn fence(
@@ -298,6 +309,7 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
 /// to, before the fence returns. Moved earlier, it would land in the trailer
 /// and still report success: a write acknowledged after the fence that node
 /// B never sees (tests/tests/fence_inflight.rs shows both).
+/// The controller's `--fence-settle` sets it; this is its default.
 pub const SETTLE: Duration = Duration::from_millis(250);
 /// Barriers during the settle: each waits for the late requests that got
 /// into the queue since the last one.

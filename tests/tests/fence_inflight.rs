@@ -368,3 +368,37 @@ fn fence_with_writes_in_flight_backing_xfs() {
 fn fence_with_writes_in_flight_backing_ext4() {
     inflight("ext4");
 }
+
+/// The controller's `--fence-settle` reaches its fences: with a 3 s settle a
+/// fenced unpublish takes at least that long (with the default, 250 ms, it
+/// takes well under a second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controllers_fence_settle_is_what_it_was_given() {
+    use fencecsi_tests::rig::Rig;
+    use fencecsi_tests::{block_cap, Access};
+    require_root!();
+    const SETTLE: Duration = Duration::from_secs(3);
+    let env = Env::new();
+    let rig = Rig::start_with(&env, &["node-a"], |c| c.fence_settle = SETTLE).await;
+    let cap = block_cap(Access::SingleNodeWriter);
+    let vol = rig.create("settle", 16 << 20, &cap).await;
+    let a = rig
+        .attach(&env, &vol.volume_id, "node-a", "pod-a", &cap)
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    rig.unpublish(&vol.volume_id, "node-a", true).await.unwrap();
+    let took = start.elapsed();
+    assert!(
+        took >= SETTLE,
+        "the fence took {took:?}, less than its settle"
+    );
+    rig.node_teardown(&a, true).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while let Err(e) = rig.delete(&vol.volume_id).await {
+        assert!(std::time::Instant::now() < deadline, "delete: {e:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    rig.stop().await;
+    env.assert_clean();
+}

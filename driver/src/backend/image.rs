@@ -16,6 +16,8 @@ pub struct ImageBackend {
     root: PathBuf,
     /// Whether the state dir's filesystem makes reflinks (checked once).
     reflink: bool,
+    /// How long a fence settles its holders before moving them (see `fence::SETTLE`).
+    fence_settle: std::time::Duration,
 }
 
 impl ImageBackend {
@@ -29,7 +31,16 @@ impl ImageBackend {
         Ok(Self {
             root: state_dir.to_path_buf(),
             reflink: files::can_reflink(state_dir),
+            fence_settle: fence::SETTLE,
         })
+    }
+
+    /// The backend with fences that settle for `settle` (`--fence-settle`).
+    pub fn with_fence_settle(self, settle: std::time::Duration) -> Self {
+        Self {
+            fence_settle: settle,
+            ..self
+        }
     }
 
     pub fn volume_dir(&self, vol: &VolumeId) -> PathBuf {
@@ -203,7 +214,11 @@ impl Backend for ImageBackend {
         gen: u64,
         data_bytes: u64,
     ) -> Result<FenceReport, BackendError> {
-        Ok(fence::freeze(&self.generation_path(vol, gen), data_bytes)?)
+        Ok(fence::freeze_with_settle(
+            &self.generation_path(vol, gen),
+            data_bytes,
+            self.fence_settle,
+        )?)
     }
 
     fn fence_marked(&self, vol: &VolumeId, gen: u64) -> bool {
@@ -217,10 +232,11 @@ impl Backend for ImageBackend {
         data_bytes: u64,
         pick: &dyn Fn(&LoopInfo) -> bool,
     ) -> Result<FenceReport, BackendError> {
-        Ok(fence::fence_devices(
+        Ok(fence::fence_devices_with_settle(
             &self.generation_path(vol, gen),
             data_bytes,
             pick,
+            self.fence_settle,
         )?)
     }
 

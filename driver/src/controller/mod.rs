@@ -96,7 +96,9 @@ impl Controller {
         if made {
             tracing::info!(state_dir = %cfg.state_dir.display(), id = %state_id.id, topology = %state_id.topology, "state dir identity made");
         }
-        let backend = ImageBackend::new(&cfg.state_dir).map_err(std::io::Error::other)?;
+        let backend = ImageBackend::new(&cfg.state_dir)
+            .map_err(std::io::Error::other)?
+            .with_fence_settle(cfg.fence_settle);
         let store = MetaStore::open(&cfg.state_dir)?;
         tracing::info!(state_dir = %cfg.state_dir.display(), volumes = store.volumes().len(), "controller state loaded");
         leftovers::clean(&cfg.state_dir, &store);
