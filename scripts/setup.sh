@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what fencecsi's drill and tests need on a fresh Debian/Ubuntu
 # machine: filesystem tools (ext4, xfs, btrfs: the fence is tested on each
-# as a backing filesystem) and the loop driver. Safe to run again; says what
+# as a backing filesystem) and the loop driver; with --tests also containerd,
+# runc and debootstrap (the image test). Safe to run again; says what
 # it does, waits (bounded) for another apt to finish, retries once, and
 # shows apt's own error when it fails.
 set -euo pipefail
@@ -59,6 +60,22 @@ have mkfs.xfs || need+=(xfsprogs)
 have mkfs.btrfs || need+=(btrfs-progs)
 have losetup || need+=(util-linux)
 have fuser || need+=(psmisc)
+# --tests (scripts/test.sh): the image test (e2e/tests/image_in_containerd.rs) builds the
+# image from this checkout (scripts/image.sh: debootstrap) and runs it under a containerd
+# of its own. It needs no fetched binary, so it runs on every machine, CI included.
+if [ "${1:-}" = "--tests" ]; then
+  have containerd || need+=(containerd)
+  have runc || need+=(runc)
+  have debootstrap || need+=(debootstrap)
+fi
+# The real-kubelet suite (e2e/, DEVELOPERS.md) runs only when its inputs are given; then
+# it also needs the CNI plugins, iptables for the nodes' Service DNAT and openssl.
+if [ -n "${FENCECSI_E2E_K8S_BIN:-}" ] && [ -n "${FENCECSI_E2E_IMAGES:-}" ]; then
+  { [ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ]; } || need+=(containernetworking-plugins)
+  have iptables || need+=(iptables)
+  have openssl || need+=(openssl)
+  have nsenter || need+=(util-linux)
+fi
 if [ "${#need[@]}" -gt 0 ]; then
   mapfile -t need < <(printf '%s\n' "${need[@]}" | sort -u)
   say "installing ${need[*]} (apt-get update, then install; about a minute)"

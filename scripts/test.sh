@@ -11,12 +11,17 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 echo "test: checking the tools the tests need" >&2
-bash scripts/setup.sh
+bash scripts/setup.sh --tests
 # A one-off build gains nothing from incremental artefacts, and they were a
 # third of the build's disk use.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # The Python grpcio client test installs grpcio from PyPI; here it must run, not skip.
 export FENCECSI_REQUIRE_GRPCIO="${FENCECSI_REQUIRE_GRPCIO:-1}"
+if [ -n "${FENCECSI_E2E_K8S_BIN:-}" ] && [ -n "${FENCECSI_E2E_IMAGES:-}" ]; then
+  echo "test: the real-kubelet suite (e2e/) runs: Kubernetes from $FENCECSI_E2E_K8S_BIN, images from $FENCECSI_E2E_IMAGES (about 10 more minutes)" >&2
+else
+  echo "test: the real-kubelet suite (e2e/) will say SKIPPED: set FENCECSI_E2E_K8S_BIN and FENCECSI_E2E_IMAGES to run it (DEVELOPERS.md)" >&2
+fi
 echo "test: disk free for the build and the tests' images: $(df -h --output=avail . | tail -1 | tr -d ' ')" >&2
 echo "test: building and running the suite (a first run takes about 10 minutes on 2 cores, most of it building)" >&2
 exec cargo test --workspace --locked "$@"

@@ -448,7 +448,10 @@ async fn a_crash_between_the_snapshot_copy_and_its_record() {
         .into_inner()
         .snapshot
         .unwrap();
-    assert_eq!(snapshot_dirs(&run.env), std::slice::from_ref(&snap.snapshot_id));
+    assert_eq!(
+        snapshot_dirs(&run.env),
+        std::slice::from_ref(&snap.snapshot_id)
+    );
     let restored = run
         .rig
         .create_volume(csi::CreateVolumeRequest {

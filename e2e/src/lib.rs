@@ -1,0 +1,34 @@
+//! The shipped deployment on real kubelets, on one machine.
+//!
+//! `tests/real_kubelets.rs` brings up etcd, kube-apiserver, kube-controller-manager and
+//! kube-scheduler on the host, three nodes (each its own mount, UTS and network namespace,
+//! its own cgroup, containerd and kubelet) on a bridge this crate makes, imports the images,
+//! runs `kubectl apply -k deploy/base` unchanged, and then the failover scenarios.
+//! Everything it makes is recorded in a [`teardown::Teardown`] as it is made and undone in
+//! reverse on success, failure, panic and Ctrl-C; nothing else is touched.
+//!
+//! Inputs are named by environment variables (see [`inputs`]); without them the test says
+//! SKIPPED and returns.
+
+pub mod certs;
+pub mod cgroups;
+pub mod cluster;
+pub mod control_plane;
+pub mod images;
+pub mod inputs;
+pub mod kubectl;
+pub mod network;
+pub mod node;
+pub mod process;
+pub mod scenarios;
+pub mod teardown;
+pub mod wait;
+
+/// Progress on stderr, with seconds since the run started.
+pub fn say(msg: impl AsRef<str>) {
+    use std::sync::OnceLock;
+    use std::time::Instant;
+    static START: OnceLock<Instant> = OnceLock::new();
+    let t = START.get_or_init(Instant::now).elapsed().as_secs_f64();
+    eprintln!("e2e [{t:7.1}s] {}", msg.as_ref());
+}

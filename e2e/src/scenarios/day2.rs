@@ -1,0 +1,172 @@
+//! Day-2 operations while the writer's volume is in use: a rolling restart of the node
+//! DaemonSet, a kubelet restart on the writer's node, and a restart of the controller
+//! Deployment (its leader Lease moving to the new pod). None may give the writer an I/O
+//! error, restart or move it, or fence its volume.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{ensure, Context, Result};
+
+use super::failover::wait_writing;
+use super::install::NAMESPACE;
+use super::writer::{self, Event};
+use super::{evidence, install};
+use crate::cluster::Cluster;
+use crate::teardown::Teardown;
+use crate::{node, say, wait};
+
+#[derive(Debug, Clone, Copy)]
+pub enum Operation {
+    NodeDaemonSetRollout,
+    KubeletRestart,
+    ControllerRollout,
+}
+
+impl Operation {
+    pub const ALL: [Operation; 3] = [
+        Operation::NodeDaemonSetRollout,
+        Operation::KubeletRestart,
+        Operation::ControllerRollout,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Operation::NodeDaemonSetRollout => "rolling restart of daemonset/fencecsi-node",
+            Operation::KubeletRestart => "kubelet restart on the writer's node",
+            Operation::ControllerRollout => "restart of deployment/fencecsi-controller",
+        }
+    }
+}
+
+fn now_nanos() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// Runs `op` and checks the writer went on undisturbed.
+pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> {
+    let (uid, node_name) = wait_writing(c, 3, Duration::from_secs(120))?;
+    let handle = writer::volume_handle(c)?;
+    let rec = evidence::volume_record(&c.state_dir, &handle)?;
+    let generation = evidence::current_generation(&rec).context("no generation")?;
+    let start = now_nanos();
+    say(format!(
+        "day-2: {} while the writer writes on {node_name}",
+        op.name()
+    ));
+    match op {
+        Operation::NodeDaemonSetRollout => rollout(c, "daemonset/fencecsi-node")?,
+        Operation::ControllerRollout => {
+            let before = install::controller_pod(c)?;
+            // The failover scenarios cut the writer's node and need the controller
+            // elsewhere: the new controller pod goes where the old one was, so every other
+            // node is cordoned while it is placed.
+            let home = install::controller_node(c)?;
+            let others: Vec<String> = c
+                .nodes
+                .iter()
+                .map(|n| n.spec.name.clone())
+                .filter(|n| *n != home)
+                .collect();
+            for n in &others {
+                c.kubectl.run(&["cordon", n])?;
+            }
+            let rolled = rollout(c, "deployment/fencecsi-controller");
+            for n in &others {
+                c.kubectl.run(&["uncordon", n])?;
+            }
+            rolled?;
+            install::wait_installed(c)?;
+            let after = install::controller_pod(c)?;
+            ensure!(after != before, "the controller pod was not replaced");
+            wait::until_explained(
+                "the controller plugin's Lease to move to the new pod",
+                Duration::from_secs(90),
+                Duration::from_secs(1),
+                || {
+                    let l =
+                        c.kubectl
+                            .get(&["lease", "-n", NAMESPACE, "fencecsi-controller-plugin"])?;
+                    let holder = l["spec"]["holderIdentity"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string();
+                    Ok(if holder == after {
+                        Ok(())
+                    } else {
+                        Err(format!("held by {holder:?}"))
+                    })
+                },
+            )?;
+        }
+        Operation::KubeletRestart => {
+            let mut n = c.node(&node_name)?.clone();
+            let kubeconfig = c.node_kubeconfig(&node_name)?;
+            let registered = node::kubelet_registrations(&n.spec);
+            node::restart_kubelet(&mut n, &c.node_env(), &kubeconfig, td)?;
+            wait::until(
+                "the restarted kubelet to register with the API server",
+                Duration::from_secs(60),
+                Duration::from_millis(200),
+                || Ok((node::kubelet_registrations(&n.spec) > registered).then_some(())),
+            )?;
+            if let Some(slot) = c.nodes.iter_mut().find(|x| x.spec.name == node_name) {
+                *slot = n;
+            }
+            c.wait_nodes_ready(std::slice::from_ref(&node_name), Duration::from_secs(120))?;
+        }
+    }
+    // Ten more records (two seconds of writing) after the operation, then the checks.
+    let log_dir = c.node(&node_name)?.spec.log_dir();
+    let acked = writer::last_ack(&writer::events(&log_dir, &uid)?).unwrap_or(0);
+    let (uid_after, node_after) = wait_writing(c, acked + 10, Duration::from_secs(120))?;
+    ensure!(
+        uid_after == uid && node_after == node_name,
+        "the writer moved: {uid}@{node_name} -> {uid_after}@{node_after}"
+    );
+    let failures: Vec<Event> = writer::events(&log_dir, &uid)?
+        .into_iter()
+        .filter(|e| matches!(e, Event::Fail { at_nanos, .. } if *at_nanos >= start))
+        .collect();
+    ensure!(
+        failures.is_empty(),
+        "the writer saw I/O errors during the {}: {failures:?}",
+        op.name()
+    );
+    let p = writer::pod(c)?.context("writer gone")?;
+    let restarts = p["status"]["containerStatuses"][0]["restartCount"]
+        .as_u64()
+        .unwrap_or(0);
+    ensure!(
+        restarts == 0,
+        "the writer container restarted {restarts} times"
+    );
+    let rec = evidence::volume_record(&c.state_dir, &handle)?;
+    ensure!(
+        evidence::current_generation(&rec) == Some(generation)
+            && evidence::fenced_at(&rec, generation).is_none(),
+        "the volume was fenced or moved to a new generation during the {}: {rec}",
+        op.name()
+    );
+    ensure!(
+        evidence::fenced_from(&rec).is_empty(),
+        "a node was fenced: {rec}"
+    );
+    say(format!(
+        "day-2: {}: no I/O error, no restart, nothing fenced",
+        op.name()
+    ));
+    Ok(())
+}
+
+fn rollout(c: &Cluster, what: &str) -> Result<()> {
+    c.kubectl
+        .run(&["rollout", "restart", "-n", NAMESPACE, what])?;
+    // kubectl's own bounded wait; --request-timeout does not bound `rollout status`.
+    c.kubectl
+        .run(&["rollout", "status", "-n", NAMESPACE, what, "--timeout=240s"])
+        .with_context(|| format!("waiting for the rollout of {what}"))?;
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! The shipped deployment on real kubelets: `kubectl apply -k deploy/base` (unchanged) on a
+//! v1.32 control plane and three namespaced nodes with containerd, then a StatefulSet
+//! failing over through a real partition. Skipped (loudly) without its inputs; see
+//! `fencecsi_e2e::inputs` and DEVELOPERS.md.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use fencecsi_e2e::cluster::{self, Cluster};
+use fencecsi_e2e::scenarios::day2::{self, Operation};
+use fencecsi_e2e::scenarios::failover::{self, Fault};
+use fencecsi_e2e::scenarios::{expansion, install, least_privilege, snapshot, writer};
+use fencecsi_e2e::teardown::Teardown;
+use fencecsi_e2e::{inputs, say};
+
+#[test]
+fn shipped_deployment_fails_over_through_a_real_partition() {
+    let inputs = match inputs::from_env() {
+        Ok(i) => i,
+        Err(why) => {
+            skipped(&format!(
+                "\n==== SKIPPED: fencecsi-e2e real_kubelets ====\n{why}\nSet {} and {} (and see DEVELOPERS.md) to run the shipped deployment on real kubelets.\n=============================================\n",
+                inputs::K8S_BIN,
+                inputs::IMAGES
+            ));
+            return;
+        }
+    };
+    let td = Teardown::new();
+    td.on_signals();
+    let guard = td.guard();
+    let result = run(&inputs, &td);
+    if let Err(e) = &result {
+        say(format!("FAILED: {e:#}"));
+    }
+    drop(guard);
+    result.unwrap();
+}
+
+fn run(inputs: &inputs::Inputs, td: &Teardown) -> Result<()> {
+    let mut c = cluster::bring_up(inputs, td)?;
+    let outcome = scenarios(&mut c, td);
+    // Logs of a failed run are kept; FENCECSI_E2E_KEEP_LOGS=1 keeps them always.
+    let keep = outcome.is_err() || std::env::var("FENCECSI_E2E_KEEP_LOGS").is_ok_and(|v| v == "1");
+    if keep && !td.is_closed() {
+        save_logs(&c);
+    }
+    outcome
+}
+
+/// The faults to run, in order: `FENCECSI_E2E_FAULTS`, a comma-separated list of
+/// `partition`, `power-off` and `hang` (repeat one to measure it several times).
+fn faults() -> Result<Vec<Fault>> {
+    let spec = std::env::var("FENCECSI_E2E_FAULTS").unwrap_or_else(|_| DEFAULT_FAULTS.into());
+    spec.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| match s {
+            "partition" => Ok(Fault::Partition),
+            "power-off" => Ok(Fault::PowerOff),
+            "hang" => Ok(Fault::Hang),
+            other => anyhow::bail!(
+                "FENCECSI_E2E_FAULTS: unknown fault {other:?} (partition, power-off, hang)"
+            ),
+        })
+        .collect()
+}
+
+const DEFAULT_FAULTS: &str = "partition,hang,power-off";
+
+fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
+    let faults = faults()?;
+    c.apply_deploy_base()?;
+    install::wait_installed(c)?;
+    least_privilege::node_plugin_keeps_to_its_own_node(c)?;
+    expansion::claim_grows_online(c)?;
+    let controller = install::controller_node(c)?;
+    let prefer = c
+        .nodes
+        .iter()
+        .map(|n| n.spec.name.clone())
+        .find(|n| *n != controller)
+        .context("no node without the controller")?;
+    say(format!(
+        "writer: StatefulSet on fencecsi-ext4, off the controller's node {controller}"
+    ));
+    c.kubectl
+        .apply_text(&writer::manifest("fencecsi-ext4", &controller, &prefer))?;
+    let t = std::time::Instant::now();
+    failover::wait_writing(c, 1, Duration::from_secs(180))?;
+    say(format!(
+        "provisioning: claim bound, volume attached and the writer writing {:.1} s after apply",
+        t.elapsed().as_secs_f64()
+    ));
+    match std::env::var_os(snapshot::MANIFESTS) {
+        Some(dir) => {
+            snapshot::install(c, std::path::Path::new(&dir))?;
+            snapshot::restores_what_was_acknowledged(c)?;
+        }
+        None => say(format!(
+            "snapshot: not run ({} names no directory with the snapshot CRDs and snapshot-controller)",
+            snapshot::MANIFESTS
+        )),
+    }
+    if std::env::var("FENCECSI_E2E_DAY2")
+        .map(|v| v != "0")
+        .unwrap_or(true)
+    {
+        for op in Operation::ALL {
+            day2::undisturbed(c, op, td)?;
+        }
+    }
+    let mut figures = Vec::new();
+    for (i, fault) in faults.iter().enumerate() {
+        say(format!(
+            "failover {}/{}: {}",
+            i + 1,
+            faults.len(),
+            fault.name()
+        ));
+        let f = failover::fail_over_and_return(c, *fault, td)?;
+        say(format!("figures: {}", f.json()));
+        record(c, &f)?;
+        figures.push(f);
+    }
+    let secs: Vec<String> = figures
+        .iter()
+        .map(|f| format!("{} {:.1}", f.fault, f.fault_to_running_s))
+        .collect();
+    say(format!(
+        "fault → writer Running on another node, seconds: {}",
+        secs.join(", ")
+    ));
+    // A last look: every node is still Ready.
+    let names: Vec<String> = c.nodes.iter().map(|n| n.spec.name.clone()).collect();
+    c.wait_nodes_ready(&names, Duration::from_secs(60))?;
+    Ok(())
+}
+
+/// Appends the run's figures to target/e2e/results.jsonl (kept across runs).
+fn record(c: &Cluster, f: &failover::Figures) -> Result<()> {
+    use std::io::Write;
+    let p = c
+        .run_dir
+        .parent()
+        .context("run dir has a parent")?
+        .join("results.jsonl");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&p)?;
+    writeln!(file, "{}", f.json())?;
+    Ok(())
+}
+
+/// Copies every log (control plane, each node's daemons and pod logs) beside the run
+/// directory before the teardown removes it.
+fn save_logs(c: &Cluster) {
+    let dst = c.run_dir.with_file_name(format!(
+        "{}-logs",
+        c.run_dir.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    let _ = std::fs::create_dir_all(&dst);
+    let mut srcs = vec![c.run_dir.join("control-plane").join("logs")];
+    for n in &c.nodes {
+        srcs.push(n.spec.dir.join("logs"));
+        srcs.push(n.spec.log_dir());
+    }
+    for s in srcs {
+        let name = s
+            .strip_prefix(&c.run_dir)
+            .map(|p| p.to_string_lossy().replace('/', "-"))
+            .unwrap_or_default();
+        let _ = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(&s)
+            .arg(dst.join(name))
+            .status();
+    }
+    say(format!("logs saved in {}", dst.display()));
+}
+
+/// The SKIPPED banner, written to the process's stderr itself: libtest captures
+/// `eprintln!` of a passing test, and a skip must be seen.
+fn skipped(msg: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(msg.as_bytes());
+}
