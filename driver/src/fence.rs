@@ -12,8 +12,9 @@
 //!   one sector in place, so every new request of more than one sector is
 //!   past the device's end and fails with EIO in the block layer; then,
 //!   after a [`SETTLE`] in which the requests already past the end check
-//!   land in the data, it moves the window into the trailer, so a request
-//!   later still lands there, never in the data;
+//!   that reach the queue land in the data, it moves the window into the
+//!   trailer, so a request later still lands there, never in the data (and
+//!   is reported: [`late_write_at`]);
 //! - `FS_IMMUTABLE_FL` is set as a second layer (refuses new writable opens
 //!   on every filesystem, and writes on ext4), best effort;
 //! - the generation is fsynced so what was written before the fence is durable.
@@ -27,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::kernel::files;
-use crate::kernel::loop_device::{self, AttachOptions, LoopInfo};
+use crate::kernel::loop_device::{self, AttachOptions, HeldDevice, LoopInfo};
 use crate::locks::BackingLock;
 
 /// Bytes every image keeps beyond its data for the fence window.
@@ -133,7 +134,7 @@ pub fn freeze(path: &Path, data_bytes: u64) -> Result<FenceReport, FenceError> {
 
 /// [`freeze`] with another settle than [`SETTLE`] (the controller's
 /// `--fence-settle`; a zero settle, for measuring what the settle buys, is the
-/// fence without it).
+/// fence as it was before it: shrink, one barrier, move).
 pub fn freeze_with_settle(
     path: &Path,
     data_bytes: u64,
@@ -305,59 +306,73 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
 /// the old size runs with whatever window the device has when it gets into
 /// the queue: it may be waiting for the queue a remap froze, or for a CPU
 /// (a pod at its CPU limit waits for the next CFS period, 100 ms in
-/// Kubernetes). During the settle it lands in the data, where it was meant
-/// to, before the fence returns. Moved earlier, it would land in the trailer
-/// and still report success: a write acknowledged after the fence that node
-/// B never sees (tests/tests/fence_inflight.rs shows both).
+/// Kubernetes). If it reaches the queue during the settle it lands in the
+/// data, where it was meant to, before the fence returns. Later than that it
+/// lands in the trailer and still reports success: a write acknowledged to
+/// node A that node B never sees (tests/tests/fence_inflight.rs shows both).
+/// Nothing bounds how long a task can be kept off a CPU, so this is a bound
+/// chosen, not a proof; [`late_write_at`] finds what outlasted it.
 /// The controller's `--fence-settle` sets it; this is its default.
 pub const SETTLE: Duration = Duration::from_millis(250);
-/// Barriers during the settle: each waits for the late requests that got
-/// into the queue since the last one.
+/// Barriers during the settle: each drains the late requests that got into
+/// the queue since the last one (the move's own freeze drains the rest).
 const SETTLE_BARRIERS: u32 = 5;
 
 /// One pass over the holders: the ones already fenced get a barrier, the
 /// others are shrunk in place, settled for `settle` and moved into the
-/// trailer at `end` (see [`SETTLE`]). Returns each holder's result, in order, and how many
-/// were new.
+/// trailer at `end` (see [`SETTLE`]). Each new holder is held open from its
+/// shrink to its move (`HeldDevice`), so a device released meanwhile cannot
+/// come back as another volume's and be remapped in its place. Returns each
+/// holder's result, in order, and how many were new.
 fn remap_pass(
     found: &[LoopInfo],
     data_bytes: u64,
     end: u64,
     settle: Duration,
 ) -> (Vec<Result<LoopInfo, loop_device::LoopError>>, usize) {
-    let mut results: Vec<Result<LoopInfo, loop_device::LoopError>> = found
-        .iter()
-        .map(|lo| {
-            if is_fenced_device(lo, data_bytes) {
-                // Already fenced (a retry): the remap is a barrier.
-                loop_device::remap(&lo.device, lo.offset, lo.size_limit)
-            } else {
-                shrink_in_place(&lo.device)
+    let mut held: Vec<Option<HeldDevice>> = Vec::with_capacity(found.len());
+    let mut results = Vec::with_capacity(found.len());
+    let mut new = 0;
+    for lo in found {
+        if is_fenced_device(lo, data_bytes) {
+            // Already fenced (a retry): the remap is a barrier.
+            results.push(loop_device::remap(&lo.device, lo.offset, lo.size_limit));
+            held.push(None);
+            continue;
+        }
+        new += 1;
+        match HeldDevice::open(&lo.device, (lo.backing_dev, lo.backing_ino)) {
+            Ok(h) => {
+                results.push(shrink_in_place(&h));
+                held.push(Some(h));
             }
-        })
-        .collect();
-    let shrunk: Vec<usize> = (0..found.len())
-        .filter(|&i| !is_fenced_device(&found[i], data_bytes) && results[i].is_ok())
-        .collect();
-    let new = found
-        .iter()
-        .filter(|lo| !is_fenced_device(lo, data_bytes))
-        .count();
-    if shrunk.is_empty() {
-        return (results, new);
+            Err(e) => {
+                results.push(Err(e));
+                held.push(None);
+            }
+        }
     }
-    let barriers = if settle.is_zero() { 0 } else { SETTLE_BARRIERS };
+    let shrunk: Vec<usize> = (0..found.len())
+        .filter(|&i| held[i].is_some() && results[i].is_ok())
+        .collect();
+    let device = |i: usize| held[i].as_ref().expect("only held devices are in `shrunk`");
+    // A zero settle is the fence as it was before the settle: one barrier.
+    let (barriers, pause) = if settle.is_zero() {
+        (1, Duration::ZERO)
+    } else {
+        (SETTLE_BARRIERS, settle / SETTLE_BARRIERS)
+    };
     for _ in 0..barriers {
-        std::thread::sleep(settle / SETTLE_BARRIERS);
+        std::thread::sleep(pause);
         for &i in &shrunk {
             if let Ok(now) = &results[i] {
-                results[i] = loop_device::remap(&now.device, now.offset, now.size_limit);
+                results[i] = device(i).remap(now.offset, now.size_limit);
             }
         }
     }
     for &i in &shrunk {
         if results[i].is_ok() {
-            results[i] = loop_device::remap(&found[i].device, end, WINDOW_BYTES);
+            results[i] = device(i).remap(end, WINDOW_BYTES);
         }
     }
     (results, new)
@@ -365,10 +380,11 @@ fn remap_pass(
 
 /// Shrinks a device to one sector at its current offset: from here the end
 /// check refuses every new request of more than a sector, and the requests
-/// already past it still land in the data (see [`SETTLE`]).
-fn shrink_in_place(device: &Path) -> Result<LoopInfo, loop_device::LoopError> {
-    let now = loop_device::status(device)?;
-    loop_device::remap(device, now.offset, WINDOW_BYTES)
+/// already past it land in the data if they reach the queue before the
+/// window moves (see [`SETTLE`]).
+fn shrink_in_place(device: &HeldDevice) -> Result<LoopInfo, loop_device::LoopError> {
+    let now = device.status()?;
+    device.remap(now.offset, WINDOW_BYTES)
 }
 
 /// Where something was written into a fenced image past its data and its
@@ -377,11 +393,19 @@ fn shrink_in_place(device: &Path) -> Result<LoopInfo, loop_device::LoopError> {
 /// there is none. The trailer is made sparse and nothing of the driver writes
 /// it, so data there is a write that passed the end check with the data's
 /// size and reached the device only after its window moved, later than
-/// [`SETTLE`]: reported done to node A, and not in the data. (A one-sector
-/// write at sector 0 lands in the window by design and is not looked for.)
-pub fn late_write_at(path: &Path, data_bytes: u64) -> Result<Option<u64>, FenceError> {
+/// [`SETTLE`]: reported done to node A, and not in the data. Not seen: a
+/// one-sector write at sector 0 (it lands in the window by design), and a
+/// late discard or write-zeroes (they leave holes or unwritten extents, which
+/// SEEK_DATA skips). A holder that showed more than the data (a device from
+/// before the trailer) moves the window further in, and its one-sector writes
+/// are then reported too.
+/// An image that is gone holds nothing (None).
+pub fn late_write_at(path: &Path, data_bytes: u64) -> std::io::Result<Option<u64>> {
     let from = (data_bytes + WINDOW_BYTES).next_multiple_of(4096);
-    files::first_data_at_or_after(path, from).map_err(io_err(path))
+    match files::first_data_at_or_after(path, from) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        r => r,
+    }
 }
 
 /// Lifts the flag so a released, fenced generation can be deleted. Callers

@@ -431,6 +431,16 @@ async fn a_crash_between_the_snapshot_copy_and_its_record() {
         1,
         "control: the crash left the copy behind"
     );
+    let freezes: Vec<_> = std::fs::read_dir(run.env.state_dir().join("freezes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        freezes.is_empty(),
+        "the volume was thawed (its record removed) before the crash: {freezes:?}"
+    );
     run.restart_after_crash(FP, NO_GC).await;
     assert_eq!(
         snapshot_dirs(&run.env),
@@ -438,6 +448,10 @@ async fn a_crash_between_the_snapshot_copy_and_its_record() {
         "the start-up pass removed the unrecorded copy"
     );
     write_and_sync(&run.a.target, "after-crash").expect("A writes after the crash");
+    // The retried snapshot must hold this one too: a fresh copy, not the
+    // crashed call's.
+    run.records
+        .push((run.a.target.join("after-crash"), vec![0x5A; 256 << 10]));
     let snap = run
         .rig
         .controller

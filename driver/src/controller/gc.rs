@@ -71,7 +71,7 @@ impl Controller {
                     tracing::error!(volume = %id, generation = gen, "fenced generation kept: {why}");
                     continue;
                 }
-                self.report_late_writes(&id, &v, gen);
+                let late = self.late_write_in(&id, &v, gen);
                 if let Err(e) = self.backend.remove_generation(&id, gen) {
                     tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
                     continue;
@@ -82,6 +82,11 @@ impl Controller {
                 changed = true;
                 removed += 1;
                 tracing::info!(volume = %id, generation = gen, "released fenced generation removed");
+                if let Some(at) = late {
+                    // Counted once: the generation is gone now.
+                    self.fence_metrics.late_write_found();
+                    tracing::error!(volume = %id, generation = gen, offset = at, "the fenced generation had been written past its data after the fence: a write reported done to the fenced node is not in the volume (raise --fence-settle)");
+                }
             }
             // Quarantines on a generation that is still current (not yet
             // republished) lift as soon as nothing holds it.
@@ -105,19 +110,16 @@ impl Controller {
         removed
     }
 
-    /// Says so, loudly, when the fenced generation about to go holds data
-    /// past its data (`fence::late_write_at`): a write node A was told was
-    /// done that is in neither this generation's data nor the new one's.
-    fn report_late_writes(&self, id: &VolumeId, v: &VolumeMeta, gen: u64) {
+    /// Where the fenced generation about to go was written past its data
+    /// (`fence::late_write_at`), if it was: a write node A was told was done
+    /// that is in neither this generation's data nor the new one's.
+    fn late_write_in(&self, id: &VolumeId, v: &VolumeMeta, gen: u64) -> Option<u64> {
         let path = self.backend.generation_path(id, gen);
         match crate::fence::late_write_at(&path, v.data_bytes(gen)) {
-            Ok(None) => {}
-            Ok(Some(at)) => {
-                self.fence_metrics.late_write_found();
-                tracing::error!(volume = %id, generation = gen, offset = at, "the fenced generation was written past its data after the fence: a write reported done to the fenced node is not in the volume");
-            }
+            Ok(at) => at,
             Err(e) => {
-                tracing::warn!(volume = %id, generation = gen, error = %e, "could not check the fenced generation for late writes")
+                tracing::warn!(volume = %id, generation = gen, path = %path.display(), error = %e, "could not check the fenced generation for late writes");
+                None
             }
         }
     }

@@ -7,7 +7,7 @@ use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Takes an advisory `flock` on `file` (shared or exclusive), waiting at most
 /// `bound`; the file, locked. A lock still held by someone else then is
@@ -38,6 +38,14 @@ pub fn flock_within(file: File, exclusive: bool, bound: Duration) -> std::io::Re
         .spawn({
             let abandoned = abandoned.clone();
             move || {
+                // The interrupt must reach this thread whatever mask it inherited.
+                // SAFETY: a valid, initialised signal set for this thread's mask.
+                unsafe {
+                    let mut set: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut set);
+                    libc::sigaddset(&mut set, signal);
+                    libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+                }
                 let _ = tx.send(wait_for_lock(file, exclusive, &abandoned));
             }
         })?;
@@ -47,6 +55,7 @@ pub fn flock_within(file: File, exclusive: bool, bound: Duration) -> std::io::Re
             abandoned.store(true, Ordering::SeqCst);
             // Repeated: a signal that came before the thread was in `flock`
             // interrupted nothing. The thread checks `abandoned` before each wait.
+            let give_up = Instant::now() + INTERRUPT_BOUND;
             loop {
                 // SAFETY: the thread is not joined yet, so its pthread_t is valid.
                 unsafe { libc::pthread_kill(waiter.as_pthread_t(), signal) };
@@ -55,6 +64,13 @@ pub fn flock_within(file: File, exclusive: bool, bound: Duration) -> std::io::Re
                     Ok(Ok(file)) => break Ok(file),
                     Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => {
                         break Err(timed_out(bound))
+                    }
+                    Err(RecvTimeoutError::Timeout) if Instant::now() >= give_up => {
+                        // A wait the signal does not end (a filesystem whose
+                        // flock cannot be interrupted): left parked, as a last
+                        // resort, rather than this call hanging.
+                        tracing::warn!(?bound, "a timed-out flock wait did not end when interrupted: its thread is left waiting");
+                        return Err(timed_out(bound));
                     }
                     Err(RecvTimeoutError::Timeout) => {}
                 }
@@ -110,6 +126,10 @@ fn interrupt_signal() -> std::io::Result<libc::c_int> {
     installed.map_err(std::io::Error::from_raw_os_error)
 }
 
+/// How long a timed-out wait is interrupted, again and again, before its
+/// thread is left to itself.
+const INTERRUPT_BOUND: Duration = Duration::from_secs(1);
+
 fn timed_out(bound: Duration) -> std::io::Error {
     std::io::Error::new(
         std::io::ErrorKind::TimedOut,
@@ -120,7 +140,6 @@ fn timed_out(bound: Duration) -> std::io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
 
     #[test]
     fn a_file_lock_wait_ends_at_its_bound() {

@@ -489,9 +489,12 @@ pub fn set_direct_io(device: &Path, on: bool) -> Result<(), LoopError> {
 
 /// What the kernel reports for one bound device. `NotBound` when it is free.
 pub fn status(device: &Path) -> Result<LoopInfo, LoopError> {
-    let dev = open_loop(device, false)?;
-    let raw = get_status_raw(&dev, device)?;
-    let size_bytes = blkgetsize64(&dev).map_err(|e| LoopError::ioctl("BLKGETSIZE64", device, e))?;
+    status_of(&open_loop(device, false)?, device)
+}
+
+fn status_of(dev: &File, device: &Path) -> Result<LoopInfo, LoopError> {
+    let raw = get_status_raw(dev, device)?;
+    let size_bytes = blkgetsize64(dev).map_err(|e| LoopError::ioctl("BLKGETSIZE64", device, e))?;
     let number = raw.lo_number;
     // sysfs is what the loop driver itself uses for dio; the flag is a fallback.
     let direct_io = match std::fs::read_to_string(sys_loop_dir(number).join("loop/dio")) {
@@ -600,6 +603,57 @@ pub fn remap(device: &Path, offset: u64, size_limit: u64) -> Result<LoopInfo, Lo
         Err(e) => return Err(LoopError::ioctl("LOOP_SET_STATUS64", device, e)),
     }
     status(device)
+}
+
+/// One bound device held open across several remaps (the fence's shrink,
+/// settle and move), so that it stays the same device throughout: while a
+/// descriptor is open a detach only marks it for autoclear, so its number
+/// cannot be handed to another file meanwhile.
+pub struct HeldDevice {
+    file: File,
+    path: PathBuf,
+    backing: (u64, u64),
+}
+
+impl HeldDevice {
+    /// Opens `device` if it is still bound to the file `(backing_dev,
+    /// backing_ino)`; `NotBound` when it is free or backs another file now.
+    pub fn open(device: &Path, backing: (u64, u64)) -> Result<HeldDevice, LoopError> {
+        let held = HeldDevice {
+            file: open_loop(device, false)?,
+            path: device.to_path_buf(),
+            backing,
+        };
+        held.status()?;
+        Ok(held)
+    }
+
+    /// What the kernel reports for it now; `NotBound` if it no longer backs
+    /// the file it was opened for.
+    pub fn status(&self) -> Result<LoopInfo, LoopError> {
+        let now = status_of(&self.file, &self.path)?;
+        if (now.backing_dev, now.backing_ino) != self.backing {
+            return Err(LoopError::NotBound(self.path.clone()));
+        }
+        Ok(now)
+    }
+
+    /// [`remap`] on the held descriptor, after checking it still backs the
+    /// same file.
+    pub fn remap(&self, offset: u64, size_limit: u64) -> Result<LoopInfo, LoopError> {
+        let mut info = get_status_raw(&self.file, &self.path)?;
+        if (info.lo_device, info.lo_inode) != self.backing {
+            return Err(LoopError::NotBound(self.path.clone()));
+        }
+        info.lo_offset = offset;
+        info.lo_sizelimit = size_limit;
+        match unsafe { ioc::loop_set_status64(self.file.as_raw_fd(), &info) } {
+            Ok(_) => {}
+            Err(Errno::ENXIO) => return Err(LoopError::NotBound(self.path.clone())),
+            Err(e) => return Err(LoopError::ioctl("LOOP_SET_STATUS64", &self.path, e)),
+        }
+        self.status()
+    }
 }
 
 /// A barrier on one device: see [`remap`] (same window).
