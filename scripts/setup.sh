@@ -62,7 +62,8 @@ have losetup || need+=(util-linux)
 have fuser || need+=(psmisc)
 # --tests (scripts/test.sh): the image test (e2e/tests/image_in_containerd.rs) builds the
 # image from this checkout (scripts/image.sh: debootstrap) and runs it under a containerd
-# of its own. It needs no fetched binary, so it runs on every machine, CI included.
+# of its own. It needs no fetched binary (only a Debian mirror for debootstrap), so it
+# runs on every machine, CI included.
 if [ "${1:-}" = "--tests" ]; then
   have containerd || need+=(containerd)
   have runc || need+=(runc)

@@ -23,5 +23,5 @@ else
   echo "test: the real-kubelet suite (e2e/) will say SKIPPED: set FENCECSI_E2E_K8S_BIN and FENCECSI_E2E_IMAGES to run it (DEVELOPERS.md)" >&2
 fi
 echo "test: disk free for the build and the tests' images: $(df -h --output=avail . | tail -1 | tr -d ' ')" >&2
-echo "test: building and running the suite (a first run takes about 10 minutes on 2 cores, most of it building)" >&2
+echo "test: building and running the suite (a first run takes about 20 minutes on 2 cores, most of it building, the image's release build and debootstrap included)" >&2
 exec cargo test --workspace --locked "$@"

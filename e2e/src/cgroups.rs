@@ -149,16 +149,20 @@ pub fn kill_all(rel: &str) -> Result<()> {
     // A child frozen on its own stays frozen when only its parent is thawed.
     thaw_tree(rel);
     let start = Instant::now();
+    // Every pid killed here, reaped on each pass: one that was this process's child
+    // leaves the cgroup when it dies, before it is waited for.
+    let mut killed = std::collections::BTreeSet::new();
     loop {
         let pids = pids_below(rel)?;
+        killed.iter().for_each(|p| crate::process::reap(*p));
         if pids.is_empty() {
             return Ok(());
         }
         for p in &pids {
             // SAFETY: kill(2) on a pid read from our own cgroup.
             unsafe { libc::kill(*p, libc::SIGKILL) };
+            killed.insert(*p);
         }
-        crate::process::reap_any();
         if start.elapsed() > Duration::from_secs(30) {
             bail!("processes still in cgroup {rel} after 30 s: {pids:?}");
         }

@@ -9,13 +9,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-/// Runs `cmd` to completion; its stdout, or an error with its stderr.
+/// The longest a command run by [`run`] may take (an image import of a few hundred MB,
+/// `kubectl apply` against a slow API server); past it the command is killed.
+const COMMAND_BOUND: Duration = Duration::from_secs(600);
+
+/// Runs `cmd` to completion, at most [`COMMAND_BOUND`]; its stdout, or an error with its
+/// stderr.
 pub fn run(cmd: &mut Command) -> Result<String> {
     let shown = format!("{cmd:?}");
-    let out = cmd
+    let child = cmd
         .stdin(Stdio::null())
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .with_context(|| format!("starting {shown}"))?;
+    let out = wait_bounded(child, COMMAND_BOUND).with_context(|| format!("running {shown}"))?;
     if !out.status.success() {
         bail!(
             "{shown} failed ({}): {}{}",
@@ -25,6 +33,40 @@ pub fn run(cmd: &mut Command) -> Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Waits for `child` (its output read as it comes), killing it past `bound`.
+fn wait_bounded(mut child: Child, bound: Duration) -> Result<std::process::Output> {
+    use std::io::Read;
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out_reader = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = stdout.read_to_end(&mut v);
+        v
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = stderr.read_to_end(&mut v);
+        v
+    });
+    let deadline = Instant::now() + bound;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("still running after {bound:?}: killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Ok(std::process::Output {
+        status,
+        stdout: out_reader.join().unwrap_or_default(),
+        stderr: err_reader.join().unwrap_or_default(),
+    })
 }
 
 /// Shorthand: `run(Command::new(prog).args(args))`.
@@ -57,14 +99,14 @@ pub fn stop_group(pgid: i32, grace: Duration) {
     unsafe { libc::kill(-pgid, libc::SIGTERM) };
     let start = Instant::now();
     while start.elapsed() < grace && group_alive(pgid) {
-        reap_any();
+        reap_group(pgid);
         std::thread::sleep(Duration::from_millis(100));
     }
     if group_alive(pgid) {
         // SAFETY: as above.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
     }
-    reap_any();
+    reap_group(pgid);
 }
 
 fn group_alive(pgid: i32) -> bool {
@@ -72,17 +114,25 @@ fn group_alive(pgid: i32) -> bool {
     unsafe { libc::kill(-pgid, 0) == 0 }
 }
 
-/// Reaps exited children so that a killed daemon does not linger as a zombie (a zombie
-/// still counts as a member of its group).
-pub fn reap_any() {
+/// Reaps the exited children in process group `pgid`, so that a killed daemon does not
+/// linger as a zombie (a zombie still counts as a member of its group). Only that group:
+/// another thread's child (a `Command::output` under way) is left to its own wait.
+pub fn reap_group(pgid: i32) {
     loop {
         let mut status = 0;
-        // SAFETY: waitpid with WNOHANG on any child; status is a local.
-        let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        // SAFETY: waitpid with WNOHANG on the children in one group; status is a local.
+        let r = unsafe { libc::waitpid(-pgid, &mut status, libc::WNOHANG) };
         if r <= 0 {
             break;
         }
     }
+}
+
+/// Reaps `pid` if it is an exited child of this process (else nothing happens).
+pub fn reap(pid: i32) {
+    let mut status = 0;
+    // SAFETY: waitpid with WNOHANG on one pid; status is a local.
+    unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
 }
 
 /// A process's start time (clock ticks after boot, /proc/<pid>/stat field 22).

@@ -3,7 +3,8 @@
 //! own namespaces and cgroup, and run by runc: its binaries start and the tools the driver
 //! calls (mkfs.ext4, mkfs.xfs, losetup, blkid, CA certificates) are in it. Needs no
 //! fetched binary: runs wherever containerd, runc and debootstrap are installed, as root
-//! (scripts/setup.sh installs them when the real-kubelet suite's inputs are given).
+//! (`scripts/setup.sh --tests`, which scripts/test.sh runs, installs them; debootstrap needs
+//! a Debian mirror, deb.debian.org unless FENCECSI_DEBIAN_MIRROR names another).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -37,7 +38,7 @@ fn fencecsi_image_runs_its_binaries_and_tools_under_containerd() {
     let missing = missing_tools();
     if !missing.is_empty() {
         skipped(&format!(
-            "\n==== SKIPPED: fencecsi-e2e image_in_containerd ====\nmissing: {}\n(scripts/setup.sh installs containerd, runc and debootstrap when FENCECSI_E2E_K8S_BIN and FENCECSI_E2E_IMAGES are set)\n===================================================\n",
+            "\n==== SKIPPED: fencecsi-e2e image_in_containerd ====\nmissing: {}\n(scripts/setup.sh --tests, which scripts/test.sh runs, installs containerd, runc and debootstrap)\n===================================================\n",
             missing.join(", ")
         ));
         return;
