@@ -335,8 +335,12 @@ fn remap_pass(
     let mut new = 0;
     for lo in found {
         if is_fenced_device(lo, data_bytes) {
-            // Already fenced (a retry): the remap is a barrier.
-            results.push(loop_device::remap(&lo.device, lo.offset, lo.size_limit));
+            // Already fenced (a retry): the remap is a barrier, on the device
+            // only while it still backs this image.
+            results.push(
+                HeldDevice::open(&lo.device, (lo.backing_dev, lo.backing_ino))
+                    .and_then(|h| h.remap(lo.offset, lo.size_limit)),
+            );
             held.push(None);
             continue;
         }
