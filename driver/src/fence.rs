@@ -127,35 +127,18 @@ pub fn marker_path(image: &Path) -> PathBuf {
 
 /// The whole-generation fence: see the module docs. `data_bytes` is the
 /// generation's data size; nothing in `[0, data_bytes)` changes after this
-/// returns Ok.
-pub fn freeze(path: &Path, data_bytes: u64) -> Result<FenceReport, FenceError> {
-    fence(path, data_bytes, true, &|_| true, SETTLE)
-}
-
-/// [`freeze`] with another settle than [`SETTLE`] (the controller's
-/// `--fence-settle`; a zero settle, for measuring what the settle buys, is the
-/// fence as it was before it: shrink, one barrier, move).
-pub fn freeze_with_settle(
-    path: &Path,
-    data_bytes: u64,
-    settle: Duration,
-) -> Result<FenceReport, FenceError> {
+/// returns Ok. `settle` is how long each holder stays shrunk in place before
+/// it moves ([`SETTLE`] unless the controller's `--fence-settle` says
+/// otherwise; zero is one barrier, for a device no write was issued on yet, or
+/// to measure what the settle buys).
+pub fn freeze(path: &Path, data_bytes: u64, settle: Duration) -> Result<FenceReport, FenceError> {
     fence(path, data_bytes, true, &|_| true, settle)
 }
 
 /// Fences only the holders `pick` selects (say, a node with no right to a
-/// generation another node legitimately writes). No immutable flag: the
-/// others keep writing.
+/// generation another node legitimately writes), settling as [`freeze`]
+/// does. No immutable flag: the others keep writing.
 pub fn fence_devices(
-    path: &Path,
-    data_bytes: u64,
-    pick: &dyn Fn(&LoopInfo) -> bool,
-) -> Result<FenceReport, FenceError> {
-    fence(path, data_bytes, false, pick, SETTLE)
-}
-
-/// [`fence_devices`] with another settle than [`SETTLE`].
-pub fn fence_devices_with_settle(
     path: &Path,
     data_bytes: u64,
     pick: &dyn Fn(&LoopInfo) -> bool,
@@ -522,7 +505,7 @@ fn probe_device(img: &Path, dev: &Path, data: u64, pattern: &[u8]) -> Result<(),
         if !control {
             return Err("a write before the fence did not reach the image".into());
         }
-        freeze(img, data).map_err(|e| e.to_string())?;
+        freeze(img, data, SETTLE).map_err(|e| e.to_string())?;
         buf.fill(0xEE);
         // A whole block at 0 (a sector of it may land in the window, never
         // in the data) and a block further in must both fail.

@@ -215,7 +215,7 @@ fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
             std::fs::File::open(&img).unwrap().sync_all().unwrap();
             old.push(t.elapsed());
         } else {
-            fence::freeze(&img, DATA).unwrap();
+            fence::freeze(&img, DATA, fence::SETTLE).unwrap();
             new.push(t.elapsed());
         }
         loop_device::detach(&lo.device).unwrap();

@@ -256,7 +256,7 @@ fn one_round(
         std::thread::sleep(Duration::from_millis(1));
     }
     std::thread::sleep(Duration::from_millis(delay_ms));
-    let fenced = fence::freeze_with_settle(&image, DATA, settle);
+    let fenced = fence::freeze(&image, DATA, settle);
     let returned = monotonic_ns();
     // The writers go on for a while against the fenced device.
     std::thread::sleep(after);

@@ -534,7 +534,13 @@ async fn expansion_waits_while_a_fenced_stray_holds_the_generation() {
     // The controller's partial fence (as for a holder no attachment entitles while B
     // keeps writing): only the stray is remapped.
     let stray_dev = stray.device.clone();
-    fencecsi_driver::fence::fence_devices(&image, SIZE as u64, &|l| l.device == stray_dev).unwrap();
+    fencecsi_driver::fence::fence_devices(
+        &image,
+        SIZE as u64,
+        &|l| l.device == stray_dev,
+        fencecsi_driver::fence::SETTLE,
+    )
+    .unwrap();
     assert!(is_fenced_device(
         &loop_device::status(&stray.device).unwrap(),
         SIZE as u64

@@ -214,7 +214,7 @@ impl Backend for ImageBackend {
         gen: u64,
         data_bytes: u64,
     ) -> Result<FenceReport, BackendError> {
-        Ok(fence::freeze_with_settle(
+        Ok(fence::freeze(
             &self.generation_path(vol, gen),
             data_bytes,
             self.fence_settle,
@@ -232,7 +232,7 @@ impl Backend for ImageBackend {
         data_bytes: u64,
         pick: &dyn Fn(&LoopInfo) -> bool,
     ) -> Result<FenceReport, BackendError> {
-        Ok(fence::fence_devices_with_settle(
+        Ok(fence::fence_devices(
             &self.generation_path(vol, gen),
             data_bytes,
             pick,
