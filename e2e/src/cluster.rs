@@ -12,9 +12,13 @@ use crate::inputs::Inputs;
 use crate::kubectl::{self, Kubectl};
 use crate::node::{self, Node, NodeEnv, NodeSpec};
 use crate::teardown::{Made, Teardown};
-use crate::{certs, network, say, wait};
+use crate::{certs, network, say, state_fs, wait};
 
 pub const NODE_COUNT: usize = 3;
+
+/// Size of the state directory's own filesystem (a sparse image: only what is written
+/// takes disk space).
+const STATE_FS_BYTES: u64 = 4 << 30;
 
 pub struct Cluster {
     pub run_dir: PathBuf,
@@ -33,9 +37,8 @@ fn run_id() -> String {
     format!("{}", std::process::id())
 }
 
-/// Brings everything up. On error the caller's teardown undoes what was made.
-pub fn bring_up(inputs: &Inputs, td: &Teardown) -> Result<Cluster> {
-    let id = run_id();
+/// `target/e2e/run-<id>`, new, with room for the images.
+fn make_run_dir(inputs: &Inputs, id: &str, td: &Teardown) -> Result<PathBuf> {
     let run_dir = inputs
         .repo
         .join("target")
@@ -50,12 +53,12 @@ pub fn bring_up(inputs: &Inputs, td: &Teardown) -> Result<Cluster> {
         path: run_dir.clone(),
     });
     say(format!("run directory {}", run_dir.display()));
-    let state_dir = make_state_filesystem(&run_dir, td)?;
+    Ok(run_dir)
+}
 
-    let archives = collect_images(inputs)?;
-    let net = network::free_subnet()?;
-    let bridge = network::make_bridge(&format!("fe2e{id}br"), &net, td)?;
-    let pki = certs::make(
+/// The CA and the API server's serving certificate, for every name it is reached by.
+fn make_pki(run_dir: &Path, bridge: &network::Bridge) -> Result<certs::Pki> {
+    certs::make(
         &run_dir.join("pki"),
         &[SERVICE_IP, &bridge.ip, "127.0.0.1"],
         &[
@@ -65,23 +68,39 @@ pub fn bring_up(inputs: &Inputs, td: &Teardown) -> Result<Cluster> {
             "kubernetes.default.svc.cluster.local",
             "localhost",
         ],
-    )?;
-    let cgroup_root = format!("fencecsi-e2e-{id}");
-    crate::cgroups::create(&cgroup_root)?;
-    td.record(Made::Cgroup {
-        rel: cgroup_root.clone(),
-    });
+    )
+}
 
-    let specs: Vec<NodeSpec> = (1..=NODE_COUNT)
+/// The nodes' names, addresses on the bridge, cgroups, directories and pod subnets.
+fn node_specs(id: &str, net: &str, cgroup_root: &str, run_dir: &Path) -> Vec<NodeSpec> {
+    (1..=NODE_COUNT)
         .map(|i| NodeSpec {
             name: format!("e2e-node-{i}"),
             ip: format!("{net}.{}", 10 + i),
             host_end: format!("fe2e{id}n{i}"),
             cgroup: format!("{cgroup_root}/node-{i}"),
             dir: run_dir.join(format!("node-{i}")),
-            pod_subnet: format!("10.{}.{i}.0/24", pod_net_octet(&net)),
+            pod_subnet: format!("10.{}.{i}.0/24", pod_net_octet(net)),
         })
-        .collect();
+        .collect()
+}
+
+/// Brings everything up. On error the caller's teardown undoes what was made.
+pub fn bring_up(inputs: &Inputs, td: &Teardown) -> Result<Cluster> {
+    let id = run_id();
+    let run_dir = make_run_dir(inputs, &id, td)?;
+    let state_dir = state_fs::make(&run_dir, STATE_FS_BYTES, td)?;
+
+    let archives = collect_images(inputs)?;
+    let net = network::free_subnet()?;
+    let bridge = network::make_bridge(&format!("fe2e{id}br"), &net, td)?;
+    let pki = make_pki(&run_dir, &bridge)?;
+    let cgroup_root = format!("fencecsi-e2e-{id}");
+    crate::cgroups::create(&cgroup_root)?;
+    td.record(Made::Cgroup {
+        rel: cgroup_root.clone(),
+    });
+    let specs = node_specs(&id, &net, &cgroup_root, &run_dir);
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
     let cp = control_plane::start(
         &inputs.k8s_bin,
@@ -119,45 +138,6 @@ pub fn bring_up(inputs: &Inputs, td: &Teardown) -> Result<Cluster> {
     }
     cluster.wait_nodes_ready(&names, Duration::from_secs(120))?;
     Ok(cluster)
-}
-
-/// Size of the state directory's own filesystem (a sparse image: only what is written
-/// takes disk space).
-const STATE_FS_BYTES: u64 = 4 << 30;
-
-/// The state directory every node shares, on a filesystem of its own (xfs on a sparse
-/// image, loop-mounted), as a dedicated disk would be: the driver's capacity (less its 5 %
-/// reserve) is then this filesystem's, not whatever is left on the host's disk.
-fn make_state_filesystem(run_dir: &Path, td: &Teardown) -> Result<PathBuf> {
-    let image = run_dir.join("fencecsi-state.xfs");
-    let f = std::fs::File::create(&image)?;
-    f.set_len(STATE_FS_BYTES)?;
-    drop(f);
-    crate::process::sh("mkfs.xfs", &["-q", &image.display().to_string()])?;
-    let dir = run_dir.join("fencecsi-state");
-    std::fs::create_dir_all(&dir)?;
-    crate::process::sh(
-        "mount",
-        &[
-            "-o",
-            "loop",
-            &image.display().to_string(),
-            &dir.display().to_string(),
-        ],
-    )?;
-    td.record(Made::Mount { path: dir.clone() });
-    // Undone after every node is gone (teardown runs newest first), before the unmount.
-    use std::os::unix::fs::MetadataExt;
-    td.record(Made::LoopDevicesOn {
-        dev: std::fs::metadata(&dir)?.dev(),
-        what: dir.clone(),
-    });
-    say(format!(
-        "state directory {} (xfs, {} GiB sparse)",
-        dir.display(),
-        STATE_FS_BYTES >> 30
-    ));
-    Ok(dir)
 }
 
 /// Three nodes each hold every image twice (content store and unpacked snapshots):

@@ -72,6 +72,33 @@ pub fn start(
 ) -> Result<ControlPlane> {
     std::fs::create_dir_all(dir.join("logs"))?;
     let url = format!("https://{bind_ip}:{API_PORT}");
+    let ids = write_identities(dir, &url, pki, nodes)?;
+    let etcd_url = start_etcd(bin, dir, td)?;
+    start_apiserver(bin, dir, pki, bind_ip, &etcd_url, &ids.tokens, td)?;
+    let cp = ControlPlane {
+        url,
+        admin_kubeconfig: ids.admin,
+        dir: dir.into(),
+        node_kubeconfigs: ids.nodes,
+    };
+    wait_ready(bin, &cp)?;
+    start_controllers(bin, dir, pki, &ids.controller_manager, &ids.scheduler, td)?;
+    Ok(cp)
+}
+
+/// The token file the API server authenticates with, and a kubeconfig per identity.
+struct Identities {
+    tokens: PathBuf,
+    admin: PathBuf,
+    controller_manager: PathBuf,
+    scheduler: PathBuf,
+    /// (node name, kubelet kubeconfig)
+    nodes: Vec<(String, PathBuf)>,
+}
+
+/// An admin, the controller manager, the scheduler and `system:node:<name>` for each
+/// node, each with a random token.
+fn write_identities(dir: &Path, url: &str, pki: &Pki, nodes: &[String]) -> Result<Identities> {
     let mk = |user: &str, groups: &[&str]| -> Result<Identity> {
         Ok(Identity {
             user: user.into(),
@@ -100,7 +127,7 @@ pub fn start(
     std::fs::write(&tokens, csv)?;
     let kc = |name: &str, id: &Identity| -> Result<PathBuf> {
         let p = dir.join(format!("{name}.kubeconfig"));
-        write_kubeconfig(&p, &url, &pki.ca_cert, id)?;
+        write_kubeconfig(&p, url, &pki.ca_cert, id)?;
         Ok(p)
     };
     let admin_kc = kc("admin", &admin)?;
@@ -111,22 +138,28 @@ pub fn start(
         .zip(&node_ids)
         .map(|(n, id)| Ok((n.clone(), kc(&format!("kubelet-{n}"), id)?)))
         .collect::<Result<Vec<_>>>()?;
+    Ok(Identities {
+        tokens,
+        admin: admin_kc,
+        controller_manager: kcm_kc,
+        scheduler: sched_kc,
+        nodes: node_kcs,
+    })
+}
 
-    let etcd_url = start_etcd(bin, dir, td)?;
-    start_apiserver(bin, dir, pki, bind_ip, &etcd_url, &tokens, td)?;
-    let cp = ControlPlane {
-        url: url.clone(),
-        admin_kubeconfig: admin_kc,
-        dir: dir.into(),
-        node_kubeconfigs: node_kcs,
-    };
-    wait_ready(bin, &cp)?;
+/// kube-controller-manager (every controller) and kube-scheduler.
+fn start_controllers(
+    bin: &Path,
+    dir: &Path,
+    pki: &Pki,
+    kcm_kc: &Path,
+    sched_kc: &Path,
+    td: &Teardown,
+) -> Result<()> {
     daemon(
         "kube-controller-manager",
         Command::new(bin.join("kube-controller-manager"))
-            .arg(format!("--kubeconfig={}", kcm_kc.display()))
-            .arg(format!("--authentication-kubeconfig={}", kcm_kc.display()))
-            .arg(format!("--authorization-kubeconfig={}", kcm_kc.display()))
+            .args(identity_args(kcm_kc))
             .arg("--controllers=*")
             .arg("--use-service-account-credentials=true")
             .arg(format!(
@@ -152,19 +185,25 @@ pub fn start(
     daemon(
         "kube-scheduler",
         Command::new(bin.join("kube-scheduler"))
-            .arg(format!("--kubeconfig={}", sched_kc.display()))
-            .arg(format!(
-                "--authentication-kubeconfig={}",
-                sched_kc.display()
-            ))
-            .arg(format!("--authorization-kubeconfig={}", sched_kc.display()))
+            .args(identity_args(sched_kc))
             .arg("--bind-address=127.0.0.1")
             .arg("--secure-port=0")
             .arg("--v=2"),
         dir,
         td,
     )?;
-    Ok(cp)
+    Ok(())
+}
+
+/// A component's identity: one kubeconfig for its client, and for checking who calls
+/// its own (loopback) endpoints.
+fn identity_args(kubeconfig: &Path) -> [String; 3] {
+    [
+        "kubeconfig",
+        "authentication-kubeconfig",
+        "authorization-kubeconfig",
+    ]
+    .map(|flag| format!("--{flag}={}", kubeconfig.display()))
 }
 
 fn daemon(name: &str, cmd: &mut Command, dir: &Path, td: &Teardown) -> Result<()> {

@@ -70,6 +70,25 @@ impl Kubectl {
     }
 }
 
+/// Waits, at most `limit`, until pod `ns/name` is Ready; the timeout names `what` and
+/// the pod's last phase.
+pub fn wait_pod_ready(
+    k: &Kubectl,
+    ns: &str,
+    name: &str,
+    what: &str,
+    limit: std::time::Duration,
+) -> Result<()> {
+    crate::wait::until_explained(what, limit, std::time::Duration::from_secs(1), || {
+        let p = k.get(&["pod", "-n", ns, name])?;
+        Ok(if pod_ready(&p) {
+            Ok(())
+        } else {
+            Err(format!("phase {}", p["status"]["phase"]))
+        })
+    })
+}
+
 /// A pod's Ready condition.
 pub fn pod_ready(pod: &Value) -> bool {
     condition_true(pod, "Ready")

@@ -21,6 +21,7 @@ pub mod network;
 pub mod node;
 pub mod process;
 pub mod scenarios;
+pub mod state_fs;
 pub mod teardown;
 pub mod wait;
 

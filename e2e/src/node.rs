@@ -132,6 +132,25 @@ fn in_node_cgroup(spec: &NodeSpec, argv: &[String]) -> Result<Command> {
     Ok(c)
 }
 
+/// Starts `argv` in the node's cgroup as a daemon of its own process group, its output in
+/// `<log>.log` among the node's logs, recorded for the teardown as `<node> <what>`.
+/// Returns its pid (the group's id).
+fn spawn_in_node(
+    spec: &NodeSpec,
+    argv: &[String],
+    log: &str,
+    what: &str,
+    td: &Teardown,
+) -> Result<i32> {
+    let child = process::spawn_daemon(
+        &mut in_node_cgroup(spec, argv)?,
+        &spec.own_logs().join(format!("{log}.log")),
+    )?;
+    let pid = child.id() as i32;
+    td.record_daemon(format!("{} {what}", spec.name), pid);
+    Ok(pid)
+}
+
 fn start_holder(spec: &NodeSpec, td: &Teardown) -> Result<i32> {
     let argv: Vec<String> = [
         "unshare",
@@ -147,12 +166,7 @@ fn start_holder(spec: &NodeSpec, td: &Teardown) -> Result<i32> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let child = process::spawn_daemon(
-        &mut in_node_cgroup(spec, &argv)?,
-        &spec.own_logs().join("holder.log"),
-    )?;
-    let pid = child.id() as i32;
-    td.record_daemon(format!("{} namespace holder", spec.name), pid);
+    let pid = spawn_in_node(spec, &argv, "holder", "namespace holder", td)?;
     // Namespaces exist once the shell has exec'd unshare and unshare has exec'd sleep.
     wait::until(
         &format!("{}'s namespaces", spec.name),
@@ -254,11 +268,7 @@ fn start_containerd(spec: &NodeSpec, env: &NodeEnv, holder: i32, td: &Teardown) 
     )?;
     let cfg_s = cfg.display().to_string();
     let argv = node_daemon_argv(holder, &["containerd", "--config", &cfg_s]);
-    let child = process::spawn_daemon(
-        &mut in_node_cgroup(spec, &argv)?,
-        &spec.own_logs().join("containerd.log"),
-    )?;
-    td.record_daemon(format!("{} containerd", spec.name), child.id() as i32);
+    spawn_in_node(spec, &argv, "containerd", "containerd", td)?;
     wait::until(
         &format!("{}'s containerd", spec.name),
         Duration::from_secs(30),
@@ -335,12 +345,7 @@ fn start_kubelet(
     ]
     .map(|s| s.to_string());
     let argv = node_daemon_argv(holder, &args.iter().map(String::as_str).collect::<Vec<_>>());
-    let child = process::spawn_daemon(
-        &mut in_node_cgroup(spec, &argv)?,
-        &spec.own_logs().join("kubelet.log"),
-    )?;
-    let pgid = child.id() as i32;
-    td.record_daemon(format!("{} kubelet", spec.name), pgid);
+    let pgid = spawn_in_node(spec, &argv, "kubelet", "kubelet", td)?;
     say(format!(
         "{}: kubelet started (log {})",
         spec.name,

@@ -58,65 +58,8 @@ pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> 
     ));
     match op {
         Operation::NodeDaemonSetRollout => rollout(c, "daemonset/fencecsi-node")?,
-        Operation::ControllerRollout => {
-            let before = install::controller_pod(c)?;
-            // The failover scenarios cut the writer's node and need the controller
-            // elsewhere: the new controller pod goes where the old one was, so every other
-            // node is cordoned while it is placed.
-            let home = install::controller_node(c)?;
-            let others: Vec<String> = c
-                .nodes
-                .iter()
-                .map(|n| n.spec.name.clone())
-                .filter(|n| *n != home)
-                .collect();
-            for n in &others {
-                c.kubectl.run(&["cordon", n])?;
-            }
-            let rolled = rollout(c, "deployment/fencecsi-controller");
-            for n in &others {
-                c.kubectl.run(&["uncordon", n])?;
-            }
-            rolled?;
-            install::wait_installed(c)?;
-            let after = install::controller_pod(c)?;
-            ensure!(after != before, "the controller pod was not replaced");
-            wait::until_explained(
-                "the controller plugin's Lease to move to the new pod",
-                Duration::from_secs(90),
-                Duration::from_secs(1),
-                || {
-                    let l =
-                        c.kubectl
-                            .get(&["lease", "-n", NAMESPACE, "fencecsi-controller-plugin"])?;
-                    let holder = l["spec"]["holderIdentity"]
-                        .as_str()
-                        .unwrap_or("")
-                        .to_string();
-                    Ok(if holder == after {
-                        Ok(())
-                    } else {
-                        Err(format!("held by {holder:?}"))
-                    })
-                },
-            )?;
-        }
-        Operation::KubeletRestart => {
-            let mut n = c.node(&node_name)?.clone();
-            let kubeconfig = c.node_kubeconfig(&node_name)?;
-            let registered = node::kubelet_registrations(&n.spec);
-            node::restart_kubelet(&mut n, &c.node_env(), &kubeconfig, td)?;
-            wait::until(
-                "the restarted kubelet to register with the API server",
-                Duration::from_secs(60),
-                Duration::from_millis(200),
-                || Ok((node::kubelet_registrations(&n.spec) > registered).then_some(())),
-            )?;
-            if let Some(slot) = c.nodes.iter_mut().find(|x| x.spec.name == node_name) {
-                *slot = n;
-            }
-            c.wait_nodes_ready(std::slice::from_ref(&node_name), Duration::from_secs(120))?;
-        }
+        Operation::ControllerRollout => controller_rollout(c)?,
+        Operation::KubeletRestart => kubelet_restart(c, &node_name, td)?,
     }
     // Ten more records (two seconds of writing) after the operation, then the checks.
     let log_dir = c.node(&node_name)?.spec.log_dir();
@@ -135,6 +78,22 @@ pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> 
         "the writer saw I/O errors during the {}: {failures:?}",
         op.name()
     );
+    check_not_restarted_nor_fenced(c, &handle, generation, op)?;
+    say(format!(
+        "day-2: {}: no I/O error, no restart, nothing fenced",
+        op.name()
+    ));
+    Ok(())
+}
+
+/// The writer's container never restarted, and its volume is on the same generation,
+/// with no node fenced from it.
+fn check_not_restarted_nor_fenced(
+    c: &Cluster,
+    handle: &str,
+    generation: u64,
+    op: Operation,
+) -> Result<()> {
     let p = writer::pod(c)?.context("writer gone")?;
     let restarts = p["status"]["containerStatuses"][0]["restartCount"]
         .as_u64()
@@ -143,7 +102,7 @@ pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> 
         restarts == 0,
         "the writer container restarted {restarts} times"
     );
-    let rec = evidence::volume_record(&c.state_dir, &handle)?;
+    let rec = evidence::volume_record(&c.state_dir, handle)?;
     ensure!(
         evidence::current_generation(&rec) == Some(generation)
             && evidence::fenced_at(&rec, generation).is_none(),
@@ -154,11 +113,73 @@ pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> 
         evidence::fenced_from(&rec).is_empty(),
         "a node was fenced: {rec}"
     );
-    say(format!(
-        "day-2: {}: no I/O error, no restart, nothing fenced",
-        op.name()
-    ));
     Ok(())
+}
+
+/// Restarts the controller Deployment on the node it runs on and waits for the leader
+/// Lease to move to the new pod.
+fn controller_rollout(c: &Cluster) -> Result<()> {
+    let before = install::controller_pod(c)?;
+    // The failover scenarios cut the writer's node and need the controller elsewhere:
+    // the new controller pod goes where the old one was, so every other node is cordoned
+    // while it is placed.
+    let home = install::controller_node(c)?;
+    let others: Vec<String> = c
+        .nodes
+        .iter()
+        .map(|n| n.spec.name.clone())
+        .filter(|n| *n != home)
+        .collect();
+    for n in &others {
+        c.kubectl.run(&["cordon", n])?;
+    }
+    let rolled = rollout(c, "deployment/fencecsi-controller");
+    for n in &others {
+        c.kubectl.run(&["uncordon", n])?;
+    }
+    rolled?;
+    install::wait_installed(c)?;
+    let after = install::controller_pod(c)?;
+    ensure!(after != before, "the controller pod was not replaced");
+    wait::until_explained(
+        "the controller plugin's Lease to move to the new pod",
+        Duration::from_secs(90),
+        Duration::from_secs(1),
+        || {
+            let l = c
+                .kubectl
+                .get(&["lease", "-n", NAMESPACE, "fencecsi-controller-plugin"])?;
+            let holder = l["spec"]["holderIdentity"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            Ok(if holder == after {
+                Ok(())
+            } else {
+                Err(format!("held by {holder:?}"))
+            })
+        },
+    )?;
+    Ok(())
+}
+
+/// Restarts the kubelet of `node_name` and waits until it registered again and its node
+/// is Ready.
+fn kubelet_restart(c: &mut Cluster, node_name: &str, td: &Teardown) -> Result<()> {
+    let mut n = c.node(node_name)?.clone();
+    let kubeconfig = c.node_kubeconfig(node_name)?;
+    let registered = node::kubelet_registrations(&n.spec);
+    node::restart_kubelet(&mut n, &c.node_env(), &kubeconfig, td)?;
+    wait::until(
+        "the restarted kubelet to register with the API server",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || Ok((node::kubelet_registrations(&n.spec) > registered).then_some(())),
+    )?;
+    if let Some(slot) = c.nodes.iter_mut().find(|x| x.spec.name == node_name) {
+        *slot = n;
+    }
+    c.wait_nodes_ready(&[node_name.to_string()], Duration::from_secs(120))
 }
 
 fn rollout(c: &Cluster, what: &str) -> Result<()> {

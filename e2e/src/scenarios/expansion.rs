@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 
 use super::writer::NAMESPACE;
 use crate::cluster::Cluster;
-use crate::kubectl::pod_ready;
+use crate::kubectl::wait_pod_ready;
 use crate::{say, wait};
 
 const NAME: &str = "grow";
@@ -60,18 +60,12 @@ fn fs_bytes(c: &Cluster) -> Result<u64> {
 
 pub fn claim_grows_online(c: &Cluster) -> Result<()> {
     c.kubectl.apply_text(&manifest())?;
-    wait::until_explained(
+    wait_pod_ready(
+        &c.kubectl,
+        NAMESPACE,
+        NAME,
         "the expansion pod Ready",
         Duration::from_secs(180),
-        Duration::from_secs(1),
-        || {
-            let p = c.kubectl.get(&["pod", "-n", NAMESPACE, NAME])?;
-            Ok(if pod_ready(&p) {
-                Ok(())
-            } else {
-                Err(format!("phase {}", p["status"]["phase"]))
-            })
-        },
     )?;
     let before = fs_bytes(c)?;
     say(format!(
@@ -112,23 +106,16 @@ pub fn claim_grows_online(c: &Cluster) -> Result<()> {
     say(format!(
         "expansion: the pod sees {after} bytes (was {before})"
     ));
-    c.kubectl.run(&[
-        "delete",
-        "pod",
-        "-n",
-        NAMESPACE,
-        NAME,
-        "--wait=true",
-        "--timeout=120s",
-    ])?;
-    c.kubectl.run(&[
-        "delete",
-        "pvc",
-        "-n",
-        NAMESPACE,
-        NAME,
-        "--wait=true",
-        "--timeout=120s",
-    ])?;
+    for kind in ["pod", "pvc"] {
+        c.kubectl.run(&[
+            "delete",
+            kind,
+            "-n",
+            NAMESPACE,
+            NAME,
+            "--wait=true",
+            "--timeout=120s",
+        ])?;
+    }
     Ok(())
 }

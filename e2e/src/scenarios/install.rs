@@ -85,16 +85,21 @@ pub fn pod_summary(pods: &[serde_json::Value]) -> String {
         .join(", ")
 }
 
-/// The name of the controller pod that is not being deleted.
-pub fn controller_pod(c: &Cluster) -> Result<String> {
-    let pods = c.kubectl.items(&[
+/// The controller Deployment's pods.
+fn controller_pods(c: &Cluster) -> Result<Vec<serde_json::Value>> {
+    c.kubectl.items(&[
         "pods",
         "-n",
         NAMESPACE,
         "-l",
         "app.kubernetes.io/component=controller",
-    ])?;
-    pods.iter()
+    ])
+}
+
+/// The name of the controller pod that is not being deleted.
+pub fn controller_pod(c: &Cluster) -> Result<String> {
+    controller_pods(c)?
+        .iter()
         .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
         .find_map(|p| p["metadata"]["name"].as_str().map(String::from))
         .ok_or_else(|| anyhow::anyhow!("no controller pod"))
@@ -102,14 +107,8 @@ pub fn controller_pod(c: &Cluster) -> Result<String> {
 
 /// The node the controller pod runs on.
 pub fn controller_node(c: &Cluster) -> Result<String> {
-    let pods = c.kubectl.items(&[
-        "pods",
-        "-n",
-        NAMESPACE,
-        "-l",
-        "app.kubernetes.io/component=controller",
-    ])?;
-    pods.iter()
+    controller_pods(c)?
+        .iter()
         .find_map(|p| p["spec"]["nodeName"].as_str().map(String::from))
         .ok_or_else(|| anyhow::anyhow!("no controller pod is scheduled"))
 }

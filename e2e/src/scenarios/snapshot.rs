@@ -12,7 +12,7 @@ use anyhow::{bail, ensure, Context, Result};
 
 use super::writer::{self, Event, NAMESPACE};
 use crate::cluster::Cluster;
-use crate::kubectl::pod_ready;
+use crate::kubectl::{pod_ready, wait_pod_ready};
 use crate::{images, say, wait};
 
 pub const MANIFESTS: &str = "FENCECSI_E2E_SNAPSHOT_MANIFESTS";
@@ -118,57 +118,8 @@ pub fn restores_what_was_acknowledged(c: &Cluster) -> Result<()> {
     let p = writer::pod(c)?.context("no writer")?;
     let (uid, node, _, _) = writer::pod_place(&p);
     let asked = now_nanos();
-    let snap = serde_json::json!({
-        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
-        "metadata": {"name": SNAPSHOT, "namespace": NAMESPACE},
-        "spec": {"volumeSnapshotClassName": "fencecsi",
-                 "source": {"persistentVolumeClaimName": format!("data-{}", writer::POD)}}
-    });
-    c.kubectl.apply_text(&snap.to_string())?;
-    wait::until_explained(
-        "the snapshot readyToUse",
-        Duration::from_secs(120),
-        Duration::from_secs(1),
-        || {
-            let s = c
-                .kubectl
-                .get(&["volumesnapshot", "-n", NAMESPACE, SNAPSHOT])?;
-            Ok(if s["status"]["readyToUse"] == true {
-                Ok(())
-            } else {
-                Err(format!("status {}", s["status"]))
-            })
-        },
-    )?;
-    say("snapshot: the writer's volume, in use, snapshotted");
-    c.kubectl.apply_text(&restore_manifest())?;
-    wait::until_explained(
-        "the restored claim's pod Ready",
-        Duration::from_secs(180),
-        Duration::from_secs(1),
-        || {
-            let p = c.kubectl.get(&["pod", "-n", NAMESPACE, RESTORED])?;
-            Ok(if pod_ready(&p) {
-                Ok(())
-            } else {
-                Err(format!("phase {}", p["status"]["phase"]))
-            })
-        },
-    )?;
-    let out = c.kubectl.run(&[
-        "exec",
-        "-n",
-        NAMESPACE,
-        RESTORED,
-        "--",
-        "cat",
-        "/data/records",
-    ])?;
-    let restored: Vec<u64> = out
-        .lines()
-        .filter(|l| l.len() == 8 && l.bytes().all(|b| b.is_ascii_digit()))
-        .filter_map(|l| l.parse().ok())
-        .collect();
+    take_snapshot(c)?;
+    let restored = restored_records(c)?;
     let events = writer::events(&c.node(&node)?.spec.log_dir(), &uid)?;
     let acked_before: Vec<u64> = events
         .iter()
@@ -211,4 +162,45 @@ pub fn restores_what_was_acknowledged(c: &Cluster) -> Result<()> {
         ])?;
     }
     Ok(())
+}
+
+/// A VolumeSnapshot of the writer's claim, waited for until readyToUse.
+fn take_snapshot(c: &Cluster) -> Result<()> {
+    let snap = serde_json::json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+        "metadata": {"name": SNAPSHOT, "namespace": NAMESPACE},
+        "spec": {"volumeSnapshotClassName": "fencecsi",
+                 "source": {"persistentVolumeClaimName": format!("data-{}", writer::POD)}}
+    });
+    c.kubectl.apply_text(&snap.to_string())?;
+    wait::until_explained(
+        "the snapshot readyToUse",
+        Duration::from_secs(120),
+        Duration::from_secs(1),
+        || {
+            let s = c
+                .kubectl
+                .get(&["volumesnapshot", "-n", NAMESPACE, SNAPSHOT])?;
+            Ok(if s["status"]["readyToUse"] == true {
+                Ok(())
+            } else {
+                Err(format!("status {}", s["status"]))
+            })
+        },
+    )?;
+    say("snapshot: the writer's volume, in use, snapshotted");
+    Ok(())
+}
+
+/// Restores the snapshot to a new claim, mounts it in a pod and reads its records.
+fn restored_records(c: &Cluster) -> Result<Vec<u64>> {
+    c.kubectl.apply_text(&restore_manifest())?;
+    wait_pod_ready(
+        &c.kubectl,
+        NAMESPACE,
+        RESTORED,
+        "the restored claim's pod Ready",
+        Duration::from_secs(180),
+    )?;
+    writer::records_seen_by(c, RESTORED, RESTORED)
 }

@@ -172,13 +172,18 @@ pub fn pod_place(p: &Value) -> (String, String, bool, bool) {
 
 /// The records file as the running writer pod sees it: every whole record, in order.
 pub fn records_in_volume(c: &Cluster) -> Result<Vec<u64>> {
+    records_seen_by(c, POD, NAME)
+}
+
+/// The records file as container `container` of pod `pod` sees it at /data/records.
+pub fn records_seen_by(c: &Cluster, pod: &str, container: &str) -> Result<Vec<u64>> {
     let out = c.kubectl.run(&[
         "exec",
         "-n",
         NAMESPACE,
-        POD,
+        pod,
         "-c",
-        NAME,
+        container,
         "--",
         "cat",
         "/data/records",
