@@ -65,6 +65,23 @@ for b in "${BINARIES[@]}"; do
   adds+=(--add "target/release/$b:/usr/local/bin/$b")
 done
 
+# The binaries are built on this machine and run on the root filesystem's libraries: a
+# host with a newer glibc than bookworm's builds binaries that do not start there. Run
+# each once in the root filesystem (chroot) before packing it.
+probe_dir="$cache/tmp/fencecsi-image-probe.$$"
+trap 'rm -rf "$probe_dir"' EXIT
+mkdir -p "$probe_dir"
+for b in "${BINARIES[@]}"; do
+  cp "target/release/$b" "$probe_dir/$b"
+  if ! out="$(chroot "$cache" "/tmp/$(basename "$probe_dir")/$b" --version 2>&1)"; then
+    say "target/release/$b does not run on $SUITE's libraries: $out"
+    say "build on $SUITE (or older), or with: docker build -f deploy/Dockerfile -t $TAG ."
+    exit 1
+  fi
+done
+rm -rf "$probe_dir"
+say "the binaries run on $SUITE's libraries"
+
 say "packing $TAG into $OUT"
 python3 scripts/pack-image.py pack --tag "$TAG" --rootfs "$cache" "${adds[@]}" \
   --config-from deploy/Dockerfile --out "$OUT" >/dev/null

@@ -166,7 +166,14 @@ def build_layer(rootfs: Path | None, adds: list[tuple[Path, str]], out: Path) ->
             add_file(tar, src, dest)
 
 
-def image_config_json(cfg: ImageConfig, diff_id: str) -> bytes:
+def host_arch() -> str:
+    """The OCI name of this machine's architecture (what the binaries are built for)."""
+    machine = os.uname().machine
+    return {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
+            "s390x": "s390x", "riscv64": "riscv64"}.get(machine, machine)
+
+
+def image_config_json(cfg: ImageConfig, diff_id: str, arch: str) -> bytes:
     config: dict = {"Env": cfg.env, "WorkingDir": "/"}
     if cfg.user:
         config["User"] = cfg.user
@@ -174,7 +181,7 @@ def image_config_json(cfg: ImageConfig, diff_id: str) -> bytes:
     config["Entrypoint"] = cfg.entrypoint if cfg.entrypoint else None
     config["Cmd"] = cfg.cmd if cfg.cmd else None
     doc = {
-        "architecture": "amd64",
+        "architecture": arch,
         "os": "linux",
         "config": config,
         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
@@ -240,7 +247,7 @@ def cmd_pack(args: argparse.Namespace) -> None:
         print(f"pack-image: {args.tag}: writing the layer", file=sys.stderr, flush=True)
         build_layer(rootfs, adds, layer)
         diff_id = sha256_file(layer)
-        config = image_config_json(cfg, diff_id)
+        config = image_config_json(cfg, diff_id, args.arch or host_arch())
         print(f"pack-image: {args.tag}: writing {out}", file=sys.stderr, flush=True)
         write_archive(out, args.tag, layer, config, diff_id)
     print(out)
@@ -257,6 +264,7 @@ def cmd_from_list(args: argparse.Namespace) -> None:
         ns = argparse.Namespace(
             tag=ref, rootfs=None, add=[f"{bin_dir / binary}:{entry}"], config_from=None,
             user=None, entrypoint=json.dumps([entry]), cmd=None, out=str(out_dir / f"{name}.tar"),
+            arch=None,
         )
         cmd_pack(ns)
 
@@ -273,6 +281,7 @@ def main() -> None:
     p.add_argument("--entrypoint", help="JSON list")
     p.add_argument("--cmd", help="JSON list")
     p.add_argument("--out", required=True)
+    p.add_argument("--arch", help="the image's architecture (OCI name); default: this machine's")
     p.set_defaults(func=cmd_pack)
     f = sub.add_parser("from-list", help="one static-binary image per line of an entrypoints list")
     f.add_argument("list", help="lines: <image-ref:tag> <binary> <entrypoint-path>")

@@ -93,6 +93,9 @@ pub fn import(holder: i32, socket: &str, archive: &Path) -> Result<()> {
             "k8s.io",
             "images",
             "import",
+            // What `kind load image-archive` runs on each kind node.
+            "--all-platforms",
+            "--digests",
         ])
         .arg(archive))?;
     Ok(())

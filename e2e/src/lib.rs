@@ -14,6 +14,7 @@ pub mod certs;
 pub mod cgroups;
 pub mod cluster;
 pub mod control_plane;
+pub mod image_run;
 pub mod images;
 pub mod inputs;
 pub mod kubectl;

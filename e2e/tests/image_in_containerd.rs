@@ -1,24 +1,39 @@
 //! The fencecsi image, built from this checkout by scripts/image.sh (or named by
 //! FENCECSI_E2E_FENCECSI_IMAGE), imported into a containerd started for the test in its
-//! own namespaces and cgroup, and run by runc: its binaries start and the tools the driver
-//! calls (mkfs.ext4, mkfs.xfs, losetup, blkid, CA certificates) are in it. Needs no
-//! fetched binary: runs wherever containerd, runc and debootstrap are installed, as root
-//! (`scripts/setup.sh --tests`, which scripts/test.sh runs, installs them; debootstrap needs
-//! a Debian mirror, deb.debian.org unless FENCECSI_DEBIAN_MIRROR names another).
+//! own namespaces and cgroup, and run by runc:
+//! - its three binaries start, as the image's user, and the tools the driver calls
+//!   (mkfs.ext4, mkfs.xfs, losetup, blkid, CA certificates) are in it;
+//! - its node plugin, run as the DaemonSet runs it (root, privileged, read-only root
+//!   filesystem, the DaemonSet's host paths), serves CSI on a socket: an ext4 and an xfs
+//!   volume are made, staged on a loop device, written, restaged with their data intact,
+//!   and fenced, checked on the kernel's objects from the host.
+//!
+//! Needs no fetched binary: runs wherever containerd, runc and debootstrap are installed, as
+//! root (`scripts/setup.sh --tests`, which scripts/test.sh runs, installs them; debootstrap
+//! needs a Debian mirror, deb.debian.org unless FENCECSI_DEBIAN_MIRROR names another).
+
+#[path = "image_in_containerd/csi_from_image.rs"]
+mod csi_from_image;
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::{Context, Result};
-use fencecsi_e2e::node::{self, NodeEnv, NodeSpec, CONTAINERD_SOCKET};
-use fencecsi_e2e::process::run;
+use fencecsi_e2e::image_run::NodeCtr;
+use fencecsi_e2e::node::{self, NodeEnv, NodeSpec};
 use fencecsi_e2e::teardown::{Made, Teardown};
-use fencecsi_e2e::{images, inputs, say};
+use fencecsi_e2e::{images, inputs, say, state_fs};
 
 const IMAGE: &str = "docker.io/library/fencecsi:0.1.0";
 
 fn missing_tools() -> Vec<&'static str> {
-    let mut tools = vec!["containerd", "runc", "ctr", "nsenter", "unshare"];
+    let mut tools = vec![
+        "containerd",
+        "runc",
+        "ctr",
+        "nsenter",
+        "unshare",
+        "mkfs.xfs",
+    ];
     if std::env::var_os("FENCECSI_E2E_FENCECSI_IMAGE").is_none() {
         tools.push("debootstrap");
     }
@@ -34,7 +49,7 @@ fn missing_tools() -> Vec<&'static str> {
 }
 
 #[test]
-fn fencecsi_image_runs_its_binaries_and_tools_under_containerd() {
+fn fencecsi_image_runs_its_binaries_and_serves_csi_under_containerd() {
     let missing = missing_tools();
     if !missing.is_empty() {
         skipped(&format!(
@@ -61,8 +76,9 @@ fn check_image(td: &Teardown) -> Result<()> {
     let dir = repo.join("target").join("e2e").join(format!("image-{id}"));
     std::fs::create_dir_all(&dir)?;
     td.record(Made::Dir { path: dir.clone() });
-    let state = dir.join("state");
-    std::fs::create_dir_all(&state)?;
+    // Made before the node, so that its loop devices are detached and it is unmounted
+    // only once the node and the plugin are gone.
+    let state = state_fs::make(&dir, 2 << 30, td)?;
     let cg = format!("fencecsi-e2e-image-{id}");
     fencecsi_e2e::cgroups::create(&cg)?;
     td.record(Made::Cgroup { rel: cg.clone() });
@@ -86,41 +102,30 @@ fn check_image(td: &Teardown) -> Result<()> {
         archives: &archives,
     };
     let holder = node::start_runtime(&spec, &env, td)?;
-    let ctr_run = |name: &str, argv: &[&str]| -> Result<String> {
-        run(Command::new("nsenter")
-            .arg("-t")
-            .arg(holder.to_string())
-            .args([
-                "-m",
-                "-u",
-                "-n",
-                "--",
-                "ctr",
-                "--address",
-                CONTAINERD_SOCKET,
-                "-n",
-                "k8s.io",
-                "run",
-                "--rm",
-                IMAGE,
-                name,
-            ])
-            .args(argv))
-    };
-    let help = ctr_run("fencecsi-help", &[])?;
+    let ctr = NodeCtr { holder };
+    check_binaries_and_tools(&ctr)?;
+    let plugin = csi_from_image::Plugin::start(&ctr, IMAGE, &spec, &state, &cg, td)?;
+    plugin.check_volumes(&["ext4", "xfs"])
+}
+
+/// The image's binaries start as the image configures them, and the driver's tools are in
+/// it.
+fn check_binaries_and_tools(ctr: &NodeCtr) -> Result<()> {
+    let help = ctr.run_image(IMAGE, "fencecsi-help", &[])?;
     assert!(
         help.contains("--state-dir"),
         "fencecsi-driver --help (the image's CMD) printed:\n{help}"
     );
     say("image: CMD fencecsi-driver --help runs as the image's user");
     for b in ["fencecsi-attacher", "fencecsi-podgc"] {
-        let out = ctr_run(&format!("{b}-help"), &[b, "--help"])?;
+        let out = ctr.run_image(IMAGE, &format!("{b}-help"), &[b, "--help"])?;
         assert!(
             out.contains("--leader-election"),
             "{b} --help printed:\n{out}"
         );
     }
-    let tools = ctr_run(
+    let tools = ctr.run_image(
+        IMAGE,
         "fencecsi-tools",
         &["sh", "-c", "id -u; mkfs.ext4 -V 2>&1 | head -1; mkfs.xfs -V; losetup --version; blkid --version; test -s /etc/ssl/certs/ca-certificates.crt && echo ca-ok"],
     )?;
