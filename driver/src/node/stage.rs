@@ -313,11 +313,11 @@ impl Node {
         // An image gone from its path holds nothing anyone will read again: the
         // device is only released.
         let mine = |l: &LoopInfo| l.device == lo.device;
-        // No settle: nothing was issued on the device yet (it is not mounted),
-        // so no write can be in flight across the move.
+        // The full settle: the device may be one an earlier stage attached and
+        // mounted (a repeated NodeStage finds it by its tag), with writes in flight.
         if same_inode {
-            let no_settle = std::time::Duration::ZERO;
-            if let Err(e) = crate::fence::fence_devices(image, data_bytes, &mine, no_settle) {
+            let settle = crate::fence::SETTLE;
+            if let Err(e) = crate::fence::fence_devices(image, data_bytes, &mine, settle) {
                 tracing::error!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not fence this node's device on a fenced generation");
             }
         }
