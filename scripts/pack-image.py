@@ -169,8 +169,12 @@ def build_layer(rootfs: Path | None, adds: list[tuple[Path, str]], out: Path) ->
 def host_arch() -> str:
     """The OCI name of this machine's architecture (what the binaries are built for)."""
     machine = os.uname().machine
-    return {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
-            "s390x": "s390x", "riscv64": "riscv64"}.get(machine, machine)
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "i686": "386", "i386": "386",
+            "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64"}.get(machine)
+    if arch is None:
+        # 32-bit ARM needs a variant too; better no image than a mislabelled one.
+        raise SystemExit(f"pack-image: no OCI architecture known for {machine!r}: pass --arch")
+    return arch
 
 
 def image_config_json(cfg: ImageConfig, diff_id: str, arch: str) -> bytes:

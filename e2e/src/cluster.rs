@@ -48,10 +48,10 @@ fn make_run_dir(inputs: &Inputs, id: &str, td: &Teardown) -> Result<PathBuf> {
         bail!("{} exists already", run_dir.display());
     }
     std::fs::create_dir_all(&run_dir)?;
-    check_free_space(&run_dir)?;
     td.record(Made::Dir {
         path: run_dir.clone(),
     });
+    check_free_space(&run_dir)?;
     say(format!("run directory {}", run_dir.display()));
     Ok(run_dir)
 }

@@ -1,13 +1,14 @@
 //! Running what the fencecsi image holds under containerd and runc, in a node's
 //! namespaces, without a kubelet.
 //!
-//! The node plugin runs as the DaemonSet runs it: from the image's root filesystem,
-//! read-only (`readOnlyRootFilesystem`), as root and privileged, with the DaemonSet's host
-//! paths (/dev, the kubelet dir, the state dir, the socket dir). ctr 1.6 has no `--user`
-//! and the image's default user is 65532, so the plugin is started with `ctr run --rootfs`
-//! on the image unpacked into a snapshot of its own (`ctr images mount --rw`, where runc
-//! makes the mount points, as on a kubelet's container layer), which takes the default
-//! spec's root user; `--read-only` then makes that root read-only.
+//! The node plugin runs with the node DaemonSet's container settings: from the image's root
+//! filesystem, read-only (`readOnlyRootFilesystem`), as root and privileged, with its host
+//! paths (/dev, the kubelet dir with its mounts propagated back to the node, the state dir,
+//! the socket dir). ctr 1.6 has no `--user` and the image's default user is 65532, so the
+//! plugin is started with `ctr run --rootfs` on the image unpacked into a snapshot of its
+//! own (`ctr images mount --rw`, where runc makes the mount points, as on a kubelet's
+//! container layer), which takes the default spec's root user; `--read-only` then makes
+//! that root read-only.
 
 use std::path::Path;
 use std::process::Command;
@@ -76,13 +77,18 @@ impl NodeCtr {
         argv: &[&str],
     ) -> Result<()> {
         let bind = |src: &str, dst: &str| format!("type=bind,src={src},dst={dst},options=rbind:rw");
+        // `mountPropagation: Bidirectional`: what the plugin mounts below the kubelet dir
+        // is the node's too (runc wants the root shared for that, as the kubelet asks).
+        let kubelet =
+            "type=bind,src=/var/lib/kubelet,dst=/var/lib/kubelet,options=rbind:rshared:rw";
         run(self
             .ctr()
             .args(["run", "--detach", "--rootfs", "--read-only", "--privileged"])
+            .arg("--rootfs-propagation=rshared")
             .arg(format!("--cgroup=/{cgroup}"))
             .arg(format!("--log-uri=file://{}", log.display()))
             .args(["--mount", &bind("/dev", "/dev")])
-            .args(["--mount", &bind("/var/lib/kubelet", "/var/lib/kubelet")])
+            .args(["--mount", kubelet])
             .args(["--mount", &bind("/var/lib/fencecsi", "/var/lib/fencecsi")])
             .args([
                 "--mount",

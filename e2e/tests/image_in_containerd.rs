@@ -3,10 +3,11 @@
 //! own namespaces and cgroup, and run by runc:
 //! - its three binaries start, as the image's user, and the tools the driver calls
 //!   (mkfs.ext4, mkfs.xfs, losetup, blkid, CA certificates) are in it;
-//! - its node plugin, run as the DaemonSet runs it (root, privileged, read-only root
-//!   filesystem, the DaemonSet's host paths), serves CSI on a socket: an ext4 and an xfs
-//!   volume are made, staged on a loop device, written, restaged with their data intact,
-//!   and fenced, checked on the kernel's objects from the host.
+//! - its driver, with the node DaemonSet's container settings (root, privileged, read-only
+//!   root filesystem, the DaemonSet's host paths, the kubelet dir's mounts propagated back
+//!   to the node), serves CSI on a socket: an ext4 and an xfs volume are made, staged on a
+//!   loop device, written, restaged with their data intact, and fenced, checked on the
+//!   kernel's objects from the host.
 //!
 //! Needs no fetched binary: runs wherever containerd, runc and debootstrap are installed, as
 //! root (`scripts/setup.sh --tests`, which scripts/test.sh runs, installs them; debootstrap

@@ -1,14 +1,17 @@
 //! The node plugin from the image, serving CSI on its socket (`--mode all`: one process
-//! serves Identity, Controller and Node, as on a one-node cluster), and the checks made
-//! through it. Its volumes are seen from the host on the kernel's objects: the loop devices
-//! backed by files on the state filesystem (`losetup`), the plugin's mounts
-//! (/proc/<pid>/mountinfo), the files in them (/proc/<pid>/root) and the image files.
+//! serves Identity, Controller and Node, as on a one-node cluster; the DaemonSet runs
+//! `--mode node` beside a controller Deployment), and the checks made through it. Its
+//! volumes are seen from the host on the kernel's objects: the loop devices backed by files
+//! on the state filesystem (`losetup`), the mounts as the node sees them (the holder's
+//! /proc/<pid>/mountinfo: they propagated back), the files in them (through the node's
+//! /proc/<pid>/root) and the image files.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
+use fencecsi_driver::fence::WINDOW_BYTES;
 use fencecsi_e2e::image_run::NodeCtr;
 use fencecsi_e2e::node::NodeSpec;
 use fencecsi_e2e::process::sh;
@@ -20,6 +23,11 @@ use fencecsi_tests::{csi, mount_cap, region_hash, sha256_file, Access};
 const NODE: &str = "e2e-image";
 /// xfs needs 300 MiB at least.
 const VOLUME_BYTES: i64 = 320 << 20;
+/// Every CSI call and host-side check of one volume's round trip, together.
+const ROUND_TRIP_BOUND: Duration = Duration::from_secs(300);
+/// What the control write puts in each 4 KiB block: found in the image after the write,
+/// and only then.
+const CONTROL_BLOCK: &[u8; 32] = b"fencecsi image test control blk\n";
 
 /// The plugin container and a client on its socket.
 pub struct Plugin {
@@ -29,8 +37,8 @@ pub struct Plugin {
 
 struct PluginCsi {
     client: CsiClient,
-    /// The plugin's pid (the container's first process), to see its mounts.
-    pid: i32,
+    /// The node's namespace holder: the node's view of the mounts.
+    holder: i32,
     /// The node's kubelet dir on the host: /var/lib/kubelet in the node and the plugin.
     kubelet: PathBuf,
     state: PathBuf,
@@ -85,11 +93,16 @@ impl Plugin {
             Duration::from_secs(60),
             Duration::from_millis(200),
             || {
-                let Some(&pid) = cgroups::pids_below(&plugin_cg)?.first() else {
+                let Some(pid) = plugin_pid(&plugin_cg)? else {
                     return Ok(None);
                 };
-                let mut c = rt.block_on(CsiClient::connect(&socket))?;
-                rt.block_on(c.identity.probe(csi::ProbeRequest {}))?;
+                let probe = async {
+                    let mut c = CsiClient::connect(&socket).await?;
+                    c.identity.probe(csi::ProbeRequest {}).await?;
+                    anyhow::Ok(c)
+                };
+                let bounded = async { tokio::time::timeout(Duration::from_secs(10), probe).await };
+                let c = rt.block_on(bounded)??;
                 Ok(Some((pid, c)))
             },
         );
@@ -102,7 +115,7 @@ impl Plugin {
             rt,
             csi: PluginCsi {
                 client,
-                pid,
+                holder: ctr.holder,
                 kubelet: spec.kubelet_dir(),
                 state: state.to_path_buf(),
                 state_dev: std::fs::metadata(state)?.dev(),
@@ -114,8 +127,14 @@ impl Plugin {
     /// up. Ends with no loop device left on the state filesystem.
     pub fn check_volumes(mut self, fs_types: &[&str]) -> Result<()> {
         for fs in fs_types {
+            // The timer is made inside the runtime (it needs its reactor).
+            let checks = async {
+                tokio::time::timeout(ROUND_TRIP_BOUND, self.csi.round_trip_and_fence(fs)).await
+            };
             self.rt
-                .block_on(self.csi.round_trip_and_fence(fs))
+                .block_on(checks)
+                .map_err(|_| anyhow::anyhow!("not done within {ROUND_TRIP_BOUND:?}"))
+                .and_then(|r| r)
                 .with_context(|| format!("{fs} volume through the plugin from the image"))?;
         }
         ensure!(
@@ -135,18 +154,21 @@ impl PluginCsi {
             self.loop_devices()?.len() == 1,
             "one loop device per staged volume"
         );
-        let payload = self.in_plugin(&vol.target).join("payload.bin");
+        let payload = self.in_node(&vol.target).join("payload.bin");
         let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
         write_synced(&payload, &data)?;
         let written = sha256_file(&payload);
         self.unstage(&vol, false).await?;
-        ensure!(
-            self.loop_devices()?.is_empty(),
-            "unstage detached the loop device"
-        );
+        // The device goes when its last user closes it (autoclear).
+        wait::until(
+            "unstage to detach the loop device",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || Ok(self.loop_devices()?.is_empty().then_some(())),
+        )?;
         ensure!(
             !self.mounted(&vol.staging)? && !self.mounted(&vol.target)?,
-            "unstage and unpublish unmounted"
+            "unstage and unpublish unmounted, in the node too"
         );
         self.stage_and_publish(&vol).await?;
         ensure!(
@@ -156,8 +178,12 @@ impl PluginCsi {
         say(format!(
             "image: {fs} volume made, staged on a loop device, written, restaged intact"
         ));
-        self.fence_and_check(&vol).await?;
+        let (image, at_fence) = self.fence_and_check(&vol).await?;
         self.unstage(&vol, true).await?;
+        ensure!(
+            region_hash(&image, vol.bytes) == at_fence,
+            "the image changed after the fence, by the time the node let go"
+        );
         self.client
             .controller
             .delete_volume(csi::DeleteVolumeRequest {
@@ -244,7 +270,7 @@ impl PluginCsi {
             .await?;
         ensure!(
             self.mounted(&v.staging)? && self.mounted(&v.target)?,
-            "stage and publish mounted the volume in the plugin's namespace"
+            "stage and publish mounted the volume, and the mounts reached the node"
         );
         Ok(())
     }
@@ -270,15 +296,20 @@ impl PluginCsi {
     }
 
     /// The fence, with its positive control: a write before it reaches the image, the
-    /// fence remaps the loop device, a write after it fails and changes nothing.
-    async fn fence_and_check(&mut self, v: &Vol) -> Result<()> {
+    /// fence moves the loop device's window into the trailer, a write after it fails and
+    /// changes nothing. Returns the image and its data's hash at the fence.
+    async fn fence_and_check(&mut self, v: &Vol) -> Result<(PathBuf, String)> {
         let image = self.generation_image(&v.id)?;
-        let mounted_dir = self.in_plugin(&v.target);
-        let before = region_hash(&image, v.bytes);
-        write_synced(&mounted_dir.join("before-fence"), &vec![7u8; 1 << 20])?;
+        let mounted_dir = self.in_node(&v.target);
+        let control: Vec<u8> = CONTROL_BLOCK.repeat(4096 / CONTROL_BLOCK.len());
         ensure!(
-            region_hash(&image, v.bytes) != before,
-            "control: a write before the fence changes the image"
+            !holds_block(&image, v.bytes, &control)?,
+            "the control block is in the image before it was written"
+        );
+        write_synced(&mounted_dir.join("before-fence"), &control.repeat(256))?;
+        ensure!(
+            holds_block(&image, v.bytes, &control)?,
+            "control: a write before the fence reaches the image"
         );
         let [device_before] = <[_; 1]>::try_from(self.loop_devices()?)
             .map_err(|d| anyhow::anyhow!("one loop device expected: {d:?}"))?;
@@ -300,17 +331,17 @@ impl PluginCsi {
         );
         let devices = self.loop_devices()?;
         ensure!(
-            devices
-                .iter()
-                .any(|d| d.name == device_before.name && d.window != device_before.window),
-            "the fence moved the device's window: before {device_before:?}, after {devices:?}"
+            devices.iter().any(|d| d.name == device_before.name
+                && d.window.0 >= v.bytes
+                && d.window.1 == WINDOW_BYTES),
+            "the fence moved the device's window into the trailer: before {device_before:?}, after {devices:?}"
         );
         say(format!(
             "image: fence held ({} remapped, the late write failed: {})",
             device_before.name,
             late.unwrap_err()
         ));
-        Ok(())
+        Ok((image, at_fence))
     }
 
     /// The volume's one generation image, on the host.
@@ -331,9 +362,9 @@ impl PluginCsi {
         Ok(gens.remove(0))
     }
 
-    /// A path of the plugin's, through its root (and so its mounts).
-    fn in_plugin(&self, path: &str) -> PathBuf {
-        PathBuf::from(format!("/proc/{}/root{path}", self.pid))
+    /// A path as the node sees it, through its root (and so its mounts).
+    fn in_node(&self, path: &str) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/root{path}", self.holder))
     }
 
     /// A path below /var/lib/kubelet, in the host's view (the directory, not its mounts).
@@ -343,7 +374,7 @@ impl PluginCsi {
     }
 
     fn mounted(&self, path: &str) -> Result<bool> {
-        let info = std::fs::read_to_string(format!("/proc/{}/mountinfo", self.pid))?;
+        let info = std::fs::read_to_string(format!("/proc/{}/mountinfo", self.holder))?;
         Ok(info.lines().any(|l| l.split(' ').nth(4) == Some(path)))
     }
 
@@ -392,6 +423,36 @@ fn number(v: &serde_json::Value) -> u64 {
     v.as_u64()
         .or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()))
         .unwrap_or(0)
+}
+
+/// The plugin's process in its cgroup: the one named fencecsi-driver.
+fn plugin_pid(cgroup: &str) -> Result<Option<i32>> {
+    Ok(cgroups::pids_below(cgroup)?.into_iter().find(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/comm"))
+            .is_ok_and(|c| c.trim() == "fencecsi-driver")
+    }))
+}
+
+/// Whether a 4 KiB-aligned block of the image's first `limit` bytes equals `block`.
+fn holds_block(image: &Path, limit: u64, block: &[u8]) -> Result<bool> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(image)?.take(limit);
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            match f.read(&mut buf[filled..])? {
+                0 => break,
+                n => filled += n,
+            }
+        }
+        if buf[..filled].chunks_exact(block.len()).any(|c| c == block) {
+            return Ok(true);
+        }
+        if filled < buf.len() {
+            return Ok(false);
+        }
+    }
 }
 
 fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
