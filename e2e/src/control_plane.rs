@@ -176,9 +176,7 @@ fn start_controllers(
                 pki.ca_key.display()
             ))
             .arg(format!("--service-cluster-ip-range={SERVICE_RANGE}"))
-            .arg("--bind-address=127.0.0.1")
-            .arg("--secure-port=0")
-            .arg("--v=2"),
+            .args(LOOPBACK_ONLY),
         dir,
         td,
     )?;
@@ -186,14 +184,16 @@ fn start_controllers(
         "kube-scheduler",
         Command::new(bin.join("kube-scheduler"))
             .args(identity_args(sched_kc))
-            .arg("--bind-address=127.0.0.1")
-            .arg("--secure-port=0")
-            .arg("--v=2"),
+            .args(LOOPBACK_ONLY),
         dir,
         td,
     )?;
     Ok(())
 }
+
+/// The controller manager's and the scheduler's own endpoints: loopback, a free port
+/// (nothing here scrapes them), and logs at the level that shows their decisions.
+const LOOPBACK_ONLY: [&str; 3] = ["--bind-address=127.0.0.1", "--secure-port=0", "--v=2"];
 
 /// A component's identity: one kubeconfig for its client, and for checking who calls
 /// its own (loopback) endpoints.

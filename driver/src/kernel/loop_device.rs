@@ -594,15 +594,29 @@ pub fn set_capacity(device: &Path) -> Result<u64, LoopError> {
 /// backing file, and `detach` takes the same lock.
 pub fn remap(device: &Path, offset: u64, size_limit: u64) -> Result<LoopInfo, LoopError> {
     let dev = open_loop(device, false)?;
-    let mut info = get_status_raw(&dev, device)?;
+    let info = get_status_raw(&dev, device)?;
+    set_window(&dev, device, info, offset, size_limit)?;
+    status(device)
+}
+
+/// LOOP_SET_STATUS64 with `info` (as just read) moved to the window
+/// `(offset, size_limit)`: the one write behind [`remap`] and
+/// [`HeldDevice::remap`].
+fn set_window(
+    dev: &File,
+    device: &Path,
+    mut info: LoopInfo64,
+    offset: u64,
+    size_limit: u64,
+) -> Result<(), LoopError> {
     info.lo_offset = offset;
     info.lo_sizelimit = size_limit;
+    // SAFETY: the fd is an open loop device and `info` a whole loop_info64.
     match unsafe { ioc::loop_set_status64(dev.as_raw_fd(), &info) } {
-        Ok(_) => {}
-        Err(Errno::ENXIO) => return Err(LoopError::NotBound(device.to_path_buf())),
-        Err(e) => return Err(LoopError::ioctl("LOOP_SET_STATUS64", device, e)),
+        Ok(_) => Ok(()),
+        Err(Errno::ENXIO) => Err(LoopError::NotBound(device.to_path_buf())),
+        Err(e) => Err(LoopError::ioctl("LOOP_SET_STATUS64", device, e)),
     }
-    status(device)
 }
 
 /// One bound device held open across several remaps (the fence's shrink,
@@ -641,17 +655,11 @@ impl HeldDevice {
     /// [`remap`] on the held descriptor, after checking it still backs the
     /// same file.
     pub fn remap(&self, offset: u64, size_limit: u64) -> Result<LoopInfo, LoopError> {
-        let mut info = get_status_raw(&self.file, &self.path)?;
+        let info = get_status_raw(&self.file, &self.path)?;
         if (info.lo_device, info.lo_inode) != self.backing {
             return Err(LoopError::NotBound(self.path.clone()));
         }
-        info.lo_offset = offset;
-        info.lo_sizelimit = size_limit;
-        match unsafe { ioc::loop_set_status64(self.file.as_raw_fd(), &info) } {
-            Ok(_) => {}
-            Err(Errno::ENXIO) => return Err(LoopError::NotBound(self.path.clone())),
-            Err(e) => return Err(LoopError::ioctl("LOOP_SET_STATUS64", &self.path, e)),
-        }
+        set_window(&self.file, &self.path, info, offset, size_limit)?;
         self.status()
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use super::writer::NAMESPACE;
+use super::writer::{self, NAMESPACE};
 use crate::cluster::Cluster;
 use crate::kubectl::wait_pod_ready;
 use crate::{say, wait};
@@ -21,20 +21,7 @@ fn manifest() -> String {
         "spec": {"storageClassName": "fencecsi-xfs", "accessModes": ["ReadWriteOnce"],
                  "resources": {"requests": {"storage": "300Mi"}}}
     });
-    let pod = serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
-        "spec": {
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": NAME, "image": "fencecsi:0.1.0", "imagePullPolicy": "IfNotPresent",
-                "command": ["sleep", "infinity"],
-                "securityContext": {"runAsUser": 0},
-                "volumeMounts": [{"name": "data", "mountPath": "/data"}]
-            }],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": NAME}}]
-        }
-    });
+    let pod = writer::claim_pod(NAME);
     let ns = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}});
     serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [ns, pvc, pod]}).to_string()
 }

@@ -97,19 +97,7 @@ fn restore_manifest() -> String {
             "dataSource": {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": SNAPSHOT}
         }
     });
-    let pod = serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": RESTORED, "namespace": NAMESPACE},
-        "spec": {
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": RESTORED, "image": "fencecsi:0.1.0", "imagePullPolicy": "IfNotPresent",
-                "command": ["sleep", "infinity"], "securityContext": {"runAsUser": 0},
-                "volumeMounts": [{"name": "data", "mountPath": "/data"}]
-            }],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": RESTORED}}]
-        }
-    });
+    let pod = writer::claim_pod(RESTORED);
     serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [pvc, pod]}).to_string()
 }
 

@@ -170,6 +170,24 @@ pub fn pod_place(p: &Value) -> (String, String, bool, bool) {
     )
 }
 
+/// A pod named `name` (its one container too) that mounts claim `name` at /data and
+/// sleeps, as root (the volume's root directory is root's): for looking into a volume.
+pub fn claim_pod(name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": name, "image": "fencecsi:0.1.0", "imagePullPolicy": "IfNotPresent",
+                "command": ["sleep", "infinity"], "securityContext": {"runAsUser": 0},
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}]
+            }],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": name}}]
+        }
+    })
+}
+
 /// The records file as the running writer pod sees it: every whole record, in order.
 pub fn records_in_volume(c: &Cluster) -> Result<Vec<u64>> {
     records_seen_by(c, POD, NAME)
