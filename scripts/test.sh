@@ -24,4 +24,4 @@ else
 fi
 echo "test: disk free for the build and the tests' images: $(df -h --output=avail . | tail -1 | tr -d ' ')" >&2
 echo "test: building and running the suite (a first run takes about 20 minutes on 2 cores, most of it building, the image's release build and debootstrap included)" >&2
-exec cargo test --workspace --locked "$@"
+exec cargo test --workspace --locked --no-fail-fast "$@"

@@ -261,19 +261,27 @@ mod tests {
     #[tokio::test]
     async fn delayed_and_rate_limited_adds() {
         let q = q();
-        let runner = {
-            let q = q.clone();
-            tokio::spawn(async move { q.run_delays().await })
-        };
+        let before = Instant::now();
         assert_eq!(q.add_rate_limited("x"), Duration::from_millis(10));
+        let after = Instant::now();
         assert_eq!(q.add_rate_limited("x"), Duration::from_millis(20));
         assert_eq!(q.add_rate_limited("x"), Duration::from_millis(40));
         assert_eq!(q.add_rate_limited("x"), Duration::from_millis(40));
         assert_eq!(q.failures("x"), 4);
-        let t = Instant::now();
+        // The earliest pending delay won: the time the queue recorded for "x" is the first
+        // add's (10 ms after it), not a later, longer one's (at least 20 ms after `after`).
+        // Read before the delays run, so however late this runs, "x" is still waiting.
+        let (due, _) = q.lock().waiting_at["x"];
+        assert!(
+            due >= before + Duration::from_millis(10) && due <= after + Duration::from_millis(10),
+            "x due {:?} after the first add",
+            due - before
+        );
+        let runner = {
+            let q = q.clone();
+            tokio::spawn(async move { q.run_delays().await })
+        };
         assert_eq!(q.get().await.unwrap(), "x");
-        // The earliest pending delay won.
-        assert!(t.elapsed() < Duration::from_millis(35), "{:?}", t.elapsed());
         q.done("x");
         q.forget("x");
         assert_eq!(q.failures("x"), 0);

@@ -3,6 +3,7 @@
 //! gated on the node's volumesInUse, and the verification that drops attachments deleted
 //! behind its back.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::{
@@ -105,7 +106,12 @@ async fn the_model_keeps_its_own_view() {
         })
         .await
         .unwrap();
-    let sync = Duration::from_millis(500);
+    // The first round verifies, the next only a sync period later: long enough that the
+    // rounds below, up to the deletion behind the controller's back, all come before it
+    // however busy the machine.
+    let sync = Duration::from_secs(3);
+    // What the controller says it did, in order.
+    let said = Arc::new(Mutex::new(Vec::<String>::new()));
     let adc = AttachDetach::new(
         &c,
         AttachDetachConfig {
@@ -113,7 +119,11 @@ async fn the_model_keeps_its_own_view() {
             drivers: vec![DRIVER.into()],
             ..Default::default()
         },
-    );
+    )
+    .with_say({
+        let said = said.clone();
+        Arc::new(move |m| said.lock().unwrap().push(m))
+    });
     let unique = csi_unique_name(DRIVER, "h");
     let va_a = volume_attachment_name("h", DRIVER, "a");
     let va_b = volume_attachment_name("h", DRIVER, "b");
@@ -153,20 +163,29 @@ async fn the_model_keeps_its_own_view() {
         .await
         .unwrap();
     pod(&c, "p3", "a").await;
-    let deleted_at = Instant::now();
+    let from = said.lock().unwrap().len();
     adc.reconcile().await.unwrap();
     assert_eq!(adc.attached_nodes("pv"), vec!["b"]);
     assert!(!exists(&c, &va_a).await);
     assert_eq!(adc.multi_attach_errors(), 2);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + sync + Duration::from_secs(60);
     while !exists(&c, &va_a).await {
         assert!(Instant::now() < deadline, "never attached to a");
         adc.reconcile().await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        deleted_at.elapsed() >= sync / 2,
-        "attached before the verification could have run"
-    );
     assert_eq!(adc.attached_nodes("pv"), vec!["a"]);
+    // In the controller's own words: the verification dropped b's attachment, and only
+    // after it did the volume go to a.
+    let said = said.lock().unwrap()[from..].to_vec();
+    let at = |what: &str| {
+        said.iter()
+            .position(|m| m.starts_with(what))
+            .unwrap_or_else(|| panic!("the controller never said {what:?}: {said:#?}"))
+    };
+    assert!(
+        at("verification: VolumeAttachment of pv on b is gone")
+            < at("attaching pv to a: VolumeAttachment created"),
+        "attached before the verification: {said:#?}"
+    );
 }

@@ -12,13 +12,14 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Result};
-use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{
     VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec, VolumeAttachmentStatus,
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::{
     object_ref, Cluster, DeleteOptions, DeleteOutcome, EventRecorder, EventType,
     LeaderElectionConfig, LeaderElector, ListParams, MetadataPatch, WatchEvent, WatchParams,
@@ -658,13 +659,18 @@ async fn watch_sees_the_sequence(ctx: &Ctx) -> Result<()> {
 
 async fn leader_election(ctx: &Ctx) -> Result<()> {
     let lease_name = ctx.name("lease");
+    let lease = Duration::from_secs(2);
     let timing = |id: &str| {
         LeaderElectionConfig::new(&ctx.ns, &lease_name, id).with_timing(
-            Duration::from_secs(2),
+            lease,
             Duration::from_millis(1200),
             Duration::from_millis(200),
         )
     };
+    let leases = ctx.cluster.api::<Lease>(Some(&ctx.ns));
+    // The Lease's history, as the candidates write it.
+    let mut history_w = leases.watch(&WatchParams::default())?;
+    let mut history = Vec::new();
     let a = LeaderElector::new(&ctx.cluster, timing("a"))?.spawn();
     let b = LeaderElector::new(&ctx.cluster, timing("b"))?.spawn();
 
@@ -677,37 +683,55 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
         Ok(())
     };
     let start = Instant::now();
-    let mut someone = false;
-    while start.elapsed() < Duration::from_secs(3) {
+    while !(a.is_leader() || b.is_leader()) {
         watch_both(&a, &b)?;
-        someone |= a.is_leader() || b.is_leader();
+        ensure!(start.elapsed() < LIVENESS, "nobody became leader");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    ensure!(someone, "nobody became leader");
+    // Watched on for over a lease duration: still never both.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(3) {
+        watch_both(&a, &b)?;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // Exactly one, once any renew delayed by a loaded machine has caught up.
-    wait_until("exactly one leader", Duration::from_secs(5), || {
+    wait_until("exactly one leader", LIVENESS, || {
         a.is_leader() != b.is_leader()
     })
     .await?;
     let (leader, follower) = if a.is_leader() { (a, b) } else { (b, a) };
     let leader_id = leader.elector().identity().to_string();
+    let follower_id = follower.elector().identity().to_string();
 
-    // Release: the follower takes over promptly, never overlapping.
+    // Release: the follower takes over promptly, not once the lease has expired: its
+    // acquireTime comes less than a lease duration after the release the leader recorded
+    // (no holder, its renewTime). Both stamps are the candidates' own.
     leader.shutdown().await?;
-    let t = Instant::now();
-    while !follower.is_leader() {
-        ensure!(
-            t.elapsed() < Duration::from_secs(2),
-            "follower did not take a released lease"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let lease = ctx
-        .cluster
-        .api::<Lease>(Some(&ctx.ns))
-        .get(&lease_name)
-        .await?;
-    let spec = lease.spec.clone().unwrap_or_default();
+    wait_until("the follower takes the released lease", LIVENESS, || {
+        follower.is_leader()
+    })
+    .await?;
+    lease_records_until(&mut history_w, &lease_name, &mut history, |l| {
+        holder(l) == Some(follower_id.as_str())
+    })
+    .await?;
+    let released = history
+        .iter()
+        .rev()
+        .find(|l| holder(l).is_none())
+        .and_then(|l| l.renew_time.clone())
+        .ok_or_else(|| anyhow!("the release is not in the Lease's history: {history:?}"))?;
+    let acquired = history
+        .last()
+        .and_then(|l| l.acquire_time.clone())
+        .ok_or_else(|| anyhow!("no acquireTime: {history:?}"))?;
+    let after_release = acquired.0.duration_since(released.0);
+    ensure!(
+        after_release < SignedDuration::try_from(lease)?,
+        "the follower took the lease {after_release:?} after its release: it waited for the expiry"
+    );
+    let lease_now = leases.get(&lease_name).await?;
+    let spec = lease_now.spec.clone().unwrap_or_default();
     ensure!(
         spec.holder_identity.as_deref() == Some(follower.elector().identity()),
         "holder recorded"
@@ -729,16 +753,25 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
     // Expiry: the leader crashes (its loop stops, no release); a newcomer waits the lease
     // out. The crashed leader's own time-based view must end before the newcomer leads.
     let c = LeaderElector::new(&ctx.cluster, timing("c"))?.spawn();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c_started = Timestamp::now();
+    // The follower goes on renewing while the newcomer tries (two renewals stamped after
+    // it started): the newcomer must not lead while the lease is held.
+    let mut renewals = 0;
+    lease_records_until(&mut history_w, &lease_name, &mut history, |l| {
+        if holder(l) == Some(follower_id.as_str())
+            && l.renew_time.as_ref().is_some_and(|t| t.0 > c_started)
+        {
+            renewals += 1;
+        }
+        renewals >= 2
+    })
+    .await?;
     ensure!(
         !c.is_leader(),
         "newcomer must not lead while the lease is held"
     );
     let mut crashed = follower;
-    wait_until("the follower leads", Duration::from_secs(5), || {
-        crashed.is_leader()
-    })
-    .await?;
+    wait_until("the follower leads", LIVENESS, || crashed.is_leader()).await?;
     let crash = Instant::now();
     crashed.abort();
     while !c.is_leader() {
@@ -747,7 +780,7 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
             "newcomer leads while the crashed leader still thinks it leads"
         );
         ensure!(
-            crash.elapsed() < Duration::from_secs(8),
+            crash.elapsed() < LIVENESS,
             "newcomer did not take over an expired lease"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -756,25 +789,71 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
         !crashed.is_leader(),
         "crashed leader's view expired before takeover"
     );
-    let waited = crash.elapsed();
-    // The last renew was sent at most renew_deadline (1.2 s) before the crash, since the
-    // crashed leader still led; the lease lasts 2 s from when the newcomer saw that renew.
+    // The newcomer counts the lease duration on its own clock from when it saw the
+    // crashed leader's last renewal, which came after that was stamped; it stamps
+    // acquireTime as the round that finds the lease expired begins, one read earlier. So
+    // acquireTime comes a lease duration after the last renewTime, less that read: half
+    // the lease leaves it a second.
+    lease_records_until(&mut history_w, &lease_name, &mut history, |l| {
+        holder(l) == Some("c")
+    })
+    .await?;
+    let last_renewal = history
+        .iter()
+        .rev()
+        .find(|l| holder(l) == Some(follower_id.as_str()))
+        .and_then(|l| l.renew_time.clone())
+        .ok_or_else(|| anyhow!("no renewal of the crashed leader: {history:?}"))?;
+    let acquired = history
+        .last()
+        .and_then(|l| l.acquire_time.clone())
+        .ok_or_else(|| anyhow!("no acquireTime: {history:?}"))?;
+    let waited = acquired.0.duration_since(last_renewal.0);
     ensure!(
-        waited >= Duration::from_millis(800),
-        "took over too early ({waited:?})"
+        waited >= SignedDuration::try_from(lease / 2)?,
+        "took over {waited:?} after the last renewal, before the lease ({lease:?}) expired"
     );
-    let lease = ctx
-        .cluster
-        .api::<Lease>(Some(&ctx.ns))
-        .get(&lease_name)
-        .await?;
-    let holder = lease.spec.and_then(|s| s.holder_identity);
+    let lease_now = leases.get(&lease_name).await?;
+    let holder_now = lease_now.spec.and_then(|s| s.holder_identity);
     ensure!(
-        holder.as_deref() == Some("c"),
-        "newcomer holds the lease: {holder:?}"
+        holder_now.as_deref() == Some("c"),
+        "newcomer holds the lease: {holder_now:?}"
     );
     c.shutdown().await?;
     Ok(())
+}
+
+/// The holder a Lease record names, if any (a released Lease names none).
+fn holder(l: &LeaseSpec) -> Option<&str> {
+    l.holder_identity.as_deref().filter(|h| !h.is_empty())
+}
+
+/// Reads the records of the Lease `name` from `w`, in the order they were written, until
+/// `until` accepts one; appends them all to `seen`.
+async fn lease_records_until(
+    w: &mut WatchStream<Lease>,
+    name: &str,
+    seen: &mut Vec<LeaseSpec>,
+    mut until: impl FnMut(&LeaseSpec) -> bool,
+) -> Result<()> {
+    loop {
+        let leases = match next_event(w).await? {
+            WatchEvent::Listed(l) => l,
+            WatchEvent::Added(l) | WatchEvent::Modified(l) => vec![l],
+            WatchEvent::Deleted(_) => continue,
+        };
+        for l in leases {
+            if l.metadata.name.as_deref() != Some(name) {
+                continue;
+            }
+            let spec = l.spec.unwrap_or_default();
+            let done = until(&spec);
+            seen.push(spec);
+            if done {
+                return Ok(());
+            }
+        }
+    }
 }
 
 async fn events_are_recorded(ctx: &Ctx) -> Result<()> {
@@ -816,6 +895,10 @@ async fn events_are_recorded(ctx: &Ctx) -> Result<()> {
     vas.delete(&name_of(&va), &DeleteOptions::default()).await?;
     Ok(())
 }
+
+/// How long a case waits for what must come (normally within a lease duration or two): a
+/// bound on liveness that a busy machine keeps.
+const LIVENESS: Duration = Duration::from_secs(30);
 
 async fn wait_until(what: &str, limit: Duration, f: impl Fn() -> bool) -> Result<()> {
     let t = Instant::now();

@@ -124,6 +124,18 @@ impl Writer {
         self.log.acks.lock().unwrap().len() as u64
     }
 
+    /// Acknowledged records whose write began after `t` (CLOCK_MONOTONIC ns), by the
+    /// writer's own stamps: what it wrote after `t`, however late its lines are read.
+    pub fn acked_started_after(&self, t: u64) -> usize {
+        self.log
+            .starts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, start)| *start > t)
+            .count()
+    }
+
     pub fn errors_since(&self, t: u64) -> usize {
         self.log
             .errors

@@ -487,7 +487,8 @@ async fn reflinked_generations_count_in_full_until_collected() {
     // Generation 2 now holds its blocks alone: what was written counts as written again.
     // xfs frees an unlinked file's blocks in the background (inode inactivation), so
     // the free space the formula reads converges shortly after the unlink.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // A bound on liveness only: it converges within moments.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut now = available(c).await;
     while (now - before).abs() > SLACK && std::time::Instant::now() < deadline {
         nix::unistd::sync();

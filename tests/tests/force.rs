@@ -26,12 +26,22 @@ impl Holders {
             ))
             .spawn()
             .unwrap();
+        // Its working directory is set before spawn returns (before the exec).
         let cwd = Command::new("sleep")
             .arg("600")
             .current_dir(dir)
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(100));
+        // The shell opens the file after its exec: wait until the kernel shows it open.
+        let fd = format!("/proc/{}/fd/3", open_file.id());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_link(&fd).is_ok_and(|t| t.ends_with("held.txt")) {
+            assert!(
+                Instant::now() < deadline,
+                "the holder never opened the file"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         Holders(vec![open_file, cwd])
     }
 }
@@ -71,7 +81,8 @@ async fn unstage(rig: &Rig, p: &Placement, force: bool) -> Result<(), tonic::Sta
 
 /// After a force teardown: the loop device goes once its last user is gone.
 async fn assert_clean_soon(env: &Env, p: &Placement) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // A bound on liveness only.
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !env.loops().is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -170,7 +181,8 @@ async fn fenced_teardown(fs: &str, expect_stale: bool) {
             let _ = nix::unistd::syncfs(&d);
         }
         // A shut-down xfs answers even stat() on its root with EIO.
-        let deadline = Instant::now() + Duration::from_secs(5);
+        // A bound on liveness only.
+        let deadline = Instant::now() + Duration::from_secs(60);
         while !matches!(mounts::path_state(&p.target), PathState::Stale(_)) {
             assert!(
                 Instant::now() < deadline,

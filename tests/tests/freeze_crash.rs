@@ -60,8 +60,9 @@ use tonic::Code;
 const SIZE: i64 = 256 << 20;
 const FIFREEZE: libc::c_ulong = 0xC004_5877;
 const FITHAW: libc::c_ulong = 0xC004_5878;
-/// How long the writer may take to go on once the restarted controller serves.
-const RESUME_BOUND: Duration = Duration::from_secs(10);
+/// How long the writer may take to go on once the restarted controller serves (or the
+/// freeze is let go): a bound on liveness, normally well under a second.
+const RESUME_BOUND: Duration = Duration::from_secs(60);
 
 fn ioctl(path: &Path, op: libc::c_ulong) -> std::io::Result<()> {
     let dir = File::open(path)?;
@@ -131,6 +132,20 @@ fn proc_state(pid: u32) -> (char, String) {
         .unwrap_or('?');
     let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
     (state, wchan)
+}
+
+/// Waits until the state dir holds no freeze record: its removal follows the thaw, so a
+/// writer that goes on does not say it is done yet.
+async fn wait_no_freeze_records(env: &Env, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !freeze_records(env).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {:?}",
+            freeze_records(env)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// The freeze records in the state dir.
@@ -263,16 +278,33 @@ fn assert_recorded(env: &Env, pid: u32, frozen: &[(&str, &Path)]) {
 }
 
 /// Positive control, on the kernel: the freeze outlived the killed
-/// controller. Each writer acknowledges nothing and sits in D state. Returns
-/// what each had acknowledged.
+/// controller. Each writer sits in D state and acknowledges no write begun
+/// since the kill (judged on the writer's own stamps: a line read late from
+/// its pipe is no write). Returns what each had acknowledged.
 async fn assert_blocked(writers: &[&Writer], killed_at: Instant) -> Vec<u64> {
-    let acked: Vec<u64> = writers.iter().map(|w| w.acked()).collect();
+    // The freeze was in place before the controller was killed.
+    let since = monotonic_ns();
+    for (i, w) in writers.iter().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (state, wchan) = proc_state(w.pid());
+            if state == 'D' {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "writer {i} is not blocked in the kernel (state {state}, wchan {wchan})"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    // And stays so a while.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    for (i, (w, before)) in writers.iter().zip(&acked).enumerate() {
+    for (i, w) in writers.iter().enumerate() {
         let (state, wchan) = proc_state(w.pid());
         assert_eq!(
-            w.acked(),
-            *before,
+            w.acked_started_after(since),
+            0,
             "writer {i} went on: nothing was frozen (state {state}, wchan {wchan})"
         );
         assert_eq!(
@@ -284,7 +316,7 @@ async fn assert_blocked(writers: &[&Writer], killed_at: Instant) -> Vec<u64> {
             killed_at.elapsed()
         );
     }
-    acked
+    writers.iter().map(|w| w.acked()).collect()
 }
 
 /// Starts the controller again on the same state dir (no failpoint) and
@@ -314,11 +346,7 @@ async fn restart_and_resume(
         "controller serving {serving:?} after its restart; writers going on {:?} after it",
         started.elapsed()
     );
-    assert_eq!(
-        freeze_records(env),
-        Vec::<PathBuf>::new(),
-        "the settled record is gone"
-    );
+    wait_no_freeze_records(env, "the settled record is gone").await;
     restarted
 }
 
@@ -722,26 +750,17 @@ async fn a_freeze_is_let_go_at_its_bound() {
             .unwrap();
     assert!(reached, "the snapshot reached its copy");
     let frozen_seen = Instant::now();
-    // Positive control: frozen now (a record, and the writer stopped).
-    assert_eq!(freeze_records(&env).len(), 1, "nothing recorded as frozen");
+    // Let go at the bound, while the call is still held. (That the writer was held
+    // meanwhile is checked on its own stamps below: when the test saw the copy reached,
+    // the bound may already have passed on a busy machine.)
     let acked = writer.acked();
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(
-        writer.acked() <= acked + 1,
-        "the writer went on: nothing was frozen"
-    );
-    // Let go at the bound, while the call is still held.
-    wait_acked(&writer, acked + 20, bound * 5, "the writer at the bound").await;
+    wait_acked(&writer, acked + 20, RESUME_BOUND, "the writer at the bound").await;
     eprintln!(
         "writer went on {:?} after the freeze was seen (bound {bound:?})",
         frozen_seen.elapsed()
     );
+    wait_no_freeze_records(&env, "the watchdog removed the record").await;
     assert!(!call.is_finished(), "the call is still held");
-    assert_eq!(
-        freeze_records(&env),
-        Vec::<PathBuf>::new(),
-        "the watchdog removed the record"
-    );
     paused.release();
     let err = call
         .await
@@ -755,8 +774,20 @@ async fn a_freeze_is_let_go_at_its_bound() {
         Vec::<String>::new(),
         "refused, yet left a copy"
     );
-    let (_, errors) = writer.stop();
+    let (acks, errors) = writer.stop();
     assert_eq!(errors, 0);
+    // Positive control, on the writer's own stamps: it was held, from the freeze (the
+    // watchdog counts the bound from just before it) to the let-go, between two of its
+    // acknowledgements; it writes every 2 ms otherwise.
+    let longest = acks
+        .windows(2)
+        .map(|w| Duration::from_nanos(w[1].1.saturating_sub(w[0].1)))
+        .max()
+        .unwrap_or_default();
+    assert!(
+        longest >= bound / 4,
+        "the writer went on: nothing was frozen (its longest pause {longest:?})"
+    );
     rig.detach_and_delete(&p).await.unwrap();
     rig.stop().await;
     env.assert_clean();
@@ -799,9 +830,10 @@ async fn a_leader_that_loses_its_lease_thaws_its_freezes_as_it_gives_up() {
 
     // The leader's node is cut off: no renewal goes through any more.
     cluster.deny::<Lease>(NS);
-    tokio::time::timeout(Duration::from_secs(10), &mut leader.lost)
+    // A bound on liveness (the renew deadline is 1.5 s).
+    tokio::time::timeout(Duration::from_secs(60), &mut leader.lost)
         .await
-        .expect("the leader gives up within its renew deadline")
+        .expect("the leader gives up without its Lease")
         .unwrap();
     // Thawed by then: a freeze of ours goes through (and is undone at once).
     ioctl(&p.staging, FIFREEZE).expect("the filesystem is thawed once the leader gave up");

@@ -474,8 +474,8 @@ async fn group_trials(
 }
 
 /// The positive control: the same writers, the members snapshotted one by one
-/// (each one frozen for its own copy only), a little apart. Returns whether
-/// any trial failed the one-instant check.
+/// (each one frozen for its own copy only), the writers a few records further
+/// between two. Returns whether any trial failed the one-instant check.
 async fn control_trials(
     rig: &Rig,
     env: &Env,
@@ -504,7 +504,11 @@ async fn control_trials(
         let mut snaps = Vec::new();
         for (i, v) in vols.iter().enumerate() {
             if i > 0 {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                // Every chain gets three records further between two members' copies,
+                // so that one after another they cannot look like one instant: wait for
+                // that progress, not for a pause a busy machine may leave idle.
+                let now = w.done();
+                w.wait_each_past(&now, 3).await;
             }
             snaps.push(
                 c.controller

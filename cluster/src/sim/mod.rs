@@ -796,7 +796,7 @@ mod tests {
     #[tokio::test]
     async fn heartbeat_lifecycle_and_eviction_make_pods_terminating() {
         let c = Cluster::embedded();
-        let hb = KubeletHeartbeat::new(
+        let kubelet = KubeletHeartbeat::new(
             &c,
             "n1",
             HeartbeatConfig {
@@ -804,8 +804,8 @@ mod tests {
                 lease_duration_seconds: 1,
                 finish_terminating_pods: false,
             },
-        )
-        .spawn();
+        );
+        let hb = kubelet.clone().spawn();
         let nodes = c.api::<Node>(None);
         wait(|| async { nodes.get_opt("n1").await.unwrap().is_some() }).await;
         let pods = c.api::<Pod>(Some("default"));
@@ -831,27 +831,30 @@ mod tests {
         };
         pods.create(&short("quick", 0)).await.unwrap();
         pods.create(&short("slow", 3600)).await.unwrap();
-        let lc = NodeLifecycle::new(
+        let lifecycle = NodeLifecycle::new(
             &c,
             NodeLifecycleConfig {
                 grace: Duration::from_millis(1500),
                 interval: Duration::from_millis(100),
             },
-        )
-        .spawn();
-        let te = TaintEviction::new(
+        );
+        let eviction = TaintEviction::new(
             &c,
             TaintEvictionConfig {
                 interval: Duration::from_millis(100),
                 default_toleration_seconds: 300,
             },
-        )
-        .spawn();
-        // Healthy: no taint, nothing evicted.
-        tokio::time::sleep(Duration::from_millis(2000)).await;
+        );
+        // Healthy: a round of each, right after a heartbeat, leaves the node and its pods
+        // alone (rounds the test runs, so they have run when it looks).
+        kubelet.beat().await.unwrap();
+        lifecycle.reconcile().await.unwrap();
+        assert_eq!(eviction.reconcile().await.unwrap(), 0, "nothing evicted");
         let n = nodes.get("n1").await.unwrap();
         assert_eq!(ready_condition(&n).unwrap().status, "True");
         assert!(n.spec.unwrap().taints.is_none());
+        let lc = lifecycle.spawn();
+        let te = eviction.spawn();
         // The node dies.
         hb.stop();
         wait(|| async {
@@ -902,7 +905,8 @@ mod tests {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = bool>,
     {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        // A bound on liveness only: each condition comes within a few seconds.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while !f().await {
             assert!(
                 std::time::Instant::now() < deadline,

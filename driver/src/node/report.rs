@@ -236,8 +236,12 @@ mod tests {
     const PASS: Duration = Duration::from_millis(50);
     /// How long the reporters of these tests use what their watch said.
     const AGE: Duration = Duration::from_millis(500);
-    /// The bound on the report: a cache age, a pass, and slack for a loaded machine.
-    const BOUND: Duration = Duration::from_secs(3);
+    /// The bound on a report that must come (normally within a cache age and a pass): for
+    /// liveness only, so generous that a busy machine keeps it.
+    const BOUND: Duration = Duration::from_secs(30);
+    /// How long the control that must not report is watched: several cache ages, more
+    /// than the reporters above take to report (a busy machine only lengthens it).
+    const WINDOW: Duration = Duration::from_secs(3);
 
     async fn cluster() -> Cluster {
         let c = Cluster::embedded();
@@ -248,7 +252,7 @@ mod tests {
     /// The reporter, once its watch has listed the Node.
     async fn reporter(c: &Cluster, age: Duration) -> NodeCleanReporter {
         let r = NodeCleanReporter::new(c, NODE).with_max_cache_age(age);
-        tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::time::timeout(BOUND, async {
             while r.cached().is_none() {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
@@ -334,14 +338,14 @@ mod tests {
         c.cut_watches::<Node>();
         quarantine(&c).await;
         assert_eq!(
-            passes_until_reported(&c, &r, BOUND).await,
+            passes_until_reported(&c, &r, WINDOW).await,
             None,
             "the cut watch delivered the quarantine after all"
         );
     }
 
     /// The positive control: with a live watch the same passes report, from the watch
-    /// alone (trusted for ever), within the same bound.
+    /// alone (trusted for ever).
     #[tokio::test]
     async fn a_quarantine_seen_by_a_live_watch_is_reported() {
         let c = cluster().await;
