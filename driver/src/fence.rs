@@ -2,25 +2,36 @@
 //! generation's inode, so renaming or unlinking the path fences nothing, and
 //! the immutable flag alone holds only on ext4 and only for writes (xfs and
 //! btrfs check it at open; discard and write-zeroes become `fallocate`,
-//! which passes it everywhere). The fence therefore works in the block layer:
+//! which passes it everywhere). The fence therefore works in the block layer.
 //!
-//! - every image carries a *trailer* of [`TRAILER_BYTES`] beyond its data,
-//!   and every attachment shows only the data (`lo_sizelimit` = data size);
-//! - the fence *remaps* every loop device holding the generation onto a
-//!   [`WINDOW_BYTES`] window inside that trailer (`LOOP_SET_STATUS64`:
-//!   offset = end of data), in two moves: first it shrinks the device to
-//!   one sector in place, so every new request of more than one sector is
-//!   past the device's end and fails with EIO in the block layer; then,
-//!   after a [`SETTLE`] in which the requests already past the end check
-//!   that reach the queue land in the data, it moves the window into the
-//!   trailer, so a request later still lands there, never in the data (and
-//!   is reported: [`late_write_at`]);
-//! - `FS_IMMUTABLE_FL` is set as a second layer (refuses new writable opens
-//!   on every filesystem, and writes on ext4), best effort;
-//! - the generation is fsynced so what was written before the fence is durable.
+//! **Gated devices** (every device a node attaches, see
+//! `kernel::loop_gate`): the node's device is stacked on a gate, a loop
+//! device over the image. The fence shuts the gate (capacity 0, in place),
+//! drains the device above with a barrier, and moves the gate's empty
+//! window into the trailer (`shut_gate`). The guarantee: once the fence
+//! returned Ok, every write, discard and write-zeroes the node's device
+//! reports done is in `[0, data_bytes)` as the next generation copies it,
+//! however long the kernel held the request before the loop driver ran it
+//! (blk-throttle, a plug, a preempted submitter): the gate's block-device
+//! file refuses every request run after the shut (`blkdev_write_iter`,
+//! `blkdev_fallocate` check the capacity when they run), and the barrier
+//! waits for the ones run before it. No timed wait is part of it.
 //!
-//! Only when every holder is seen remapped does the fence count as made.
-//! [`probe`] proves the mechanism on the state dir's own filesystem at start.
+//! **Plain devices** (attached straight onto the image: by an older driver,
+//! or by hand) are remapped as before gates: every image carries a
+//! *trailer* of [`TRAILER_BYTES`] beyond its data, and the fence shrinks
+//! each such device to one sector in place, so every new request of more
+//! than one sector fails the block layer's end check, waits [`SETTLE`] for
+//! the requests already past that check, and moves the window into the
+//! trailer. That is a bound, not a proof: a request held longer lands in the
+//! trailer and is reported done ([`late_write_at`] finds it).
+//!
+//! For both: `FS_IMMUTABLE_FL` is set as a second layer on a whole
+//! generation (refuses new writable opens on every filesystem, and writes on
+//! ext4), best effort; the generation is fsynced so what was written before
+//! the fence is durable. Only when every holder is seen fenced does the
+//! fence count as made. [`probe`] proves the gated mechanism on the state
+//! dir's own filesystem at start.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -29,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use crate::kernel::files;
 use crate::kernel::loop_device::{self, AttachOptions, HeldDevice, LoopInfo};
+use crate::kernel::loop_gate;
 use crate::locks::BackingLock;
 
 /// Bytes every image keeps beyond its data for the fence window.
@@ -68,6 +80,9 @@ pub struct FenceReport {
     /// Whether the immutable flag is set as well (second layer).
     pub immutable: bool,
     pub elapsed: Duration,
+    /// Time spent in the settle: only devices attached straight onto the
+    /// image (no gate) have one; zero when every holder is gated.
+    pub settled: Duration,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FenceError + '_ {
@@ -192,11 +207,13 @@ fn fence(
         }
     }
     let mut fenced: Vec<LoopInfo> = Vec::new();
+    let mut settled = Duration::ZERO;
     let mut stable = false;
     for _ in 0..SCAN_PASSES {
-        let found: Vec<LoopInfo> = holders(path)?.into_iter().filter(|l| pick(l)).collect();
-        // The window starts past every byte any holder shows as data.
-        let end = found
+        let found = holders(path)?;
+        let (gated, plain) = split_by_gate(&found, pick);
+        // The window starts past every byte any plain holder shows as data.
+        let end = plain
             .iter()
             .filter(|l| !is_fenced_device(l, data_bytes))
             .map(|l| l.offset + l.size_bytes)
@@ -204,8 +221,22 @@ fn fence(
         if end > data_bytes {
             ensure_trailer(path, end)?;
         }
-        let (done, new) = remap_pass(&found, data_bytes, end, settle);
-        for (lo, result) in found.iter().zip(done) {
+        let mut new = 0;
+        let mut results: Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)> = Vec::new();
+        for group in &gated {
+            // A gate shut and moved was drained before it moved: nothing to do.
+            if group.iter().all(|l| is_fenced_device(l, data_bytes)) {
+                results.extend(group.iter().map(|l| (l.device.clone(), Ok(l.clone()))));
+                continue;
+            }
+            new += 1;
+            results.extend(shut_gate(group, data_bytes, end));
+        }
+        let (done, new_plain, slept) = remap_pass(&plain, data_bytes, end, settle);
+        new += new_plain;
+        settled += slept;
+        results.extend(plain.iter().map(|l| l.device.clone()).zip(done));
+        for (device, result) in results {
             let after = match result {
                 Ok(after) => after,
                 // Released meanwhile: nothing holds the data through it any more.
@@ -213,15 +244,15 @@ fn fence(
                 Err(e) => {
                     return Err(FenceError::Remap {
                         path: path.into(),
-                        device: lo.device.clone(),
+                        device,
                         message: e.to_string(),
                     })
                 }
             };
-            if after.backing_ino == lo.backing_ino && !is_fenced_device(&after, data_bytes) {
+            if !is_fenced_device(&after, data_bytes) {
                 return Err(FenceError::Remap {
                     path: path.into(),
-                    device: lo.device.clone(),
+                    device,
                     message: format!(
                         "the kernel reports offset {} and {} bytes after the remap",
                         after.offset, after.size_bytes
@@ -251,6 +282,7 @@ fn fence(
         fenced,
         immutable: flagged,
         elapsed,
+        settled,
     })
 }
 
@@ -265,11 +297,14 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
         BackingLock::on_path(path, true, crate::locks::NODE_LOCK_WAIT).map_err(io_err(path))?;
     let mut widened = Vec::new();
     for lo in holders(path)? {
-        let shows_data = lo.offset == 0 && !is_fenced_device(&lo, data_bytes);
+        // A device shrunk in place is a fence under way (or one a crash
+        // interrupted): never widened back.
+        let shrunk = lo.size_limit > 0 && lo.size_limit <= WINDOW_BYTES;
+        let shows_data = lo.offset == 0 && !shrunk && !is_fenced_device(&lo, data_bytes);
         if !shows_data || (lo.size_limit == data_bytes && lo.size_bytes == data_bytes) {
             continue;
         }
-        match loop_device::remap(&lo.device, 0, data_bytes) {
+        match widen(&lo, data_bytes) {
             Ok(after) => widened.push(after),
             Err(loop_device::LoopError::NotBound(_)) => {}
             Err(e) => {
@@ -284,8 +319,107 @@ pub fn widen_holders(path: &Path, data_bytes: u64) -> Result<Vec<LoopInfo>, Fenc
     Ok(widened)
 }
 
-/// How long holders stay shrunk in place before their windows move into the
-/// trailer. A request that passed the block layer's end-of-device check with
+/// Shows `[0, data_bytes)` on one holder: a plain device is remapped; for a
+/// device on a gate, the gate is, and the device above re-reads its size.
+fn widen(lo: &LoopInfo, data_bytes: u64) -> Result<LoopInfo, loop_device::LoopError> {
+    let Some(gate) = &lo.gate else {
+        return loop_device::remap(&lo.device, 0, data_bytes);
+    };
+    let now = loop_device::status(gate)?;
+    if now.size_limit != data_bytes || now.size_bytes != data_bytes {
+        loop_device::remap(gate, 0, data_bytes)?;
+    }
+    if lo.device != *gate {
+        loop_device::set_capacity(&lo.device)?;
+    }
+    loop_device::status(&lo.device)
+}
+
+/// The holders `pick` selects: gated ones grouped by gate (a gate is
+/// selected with every device on it when `pick` selects any of them), and
+/// plain ones (attached straight to the image: by an older driver, or by
+/// hand).
+fn split_by_gate(
+    found: &[LoopInfo],
+    pick: &dyn Fn(&LoopInfo) -> bool,
+) -> (Vec<Vec<LoopInfo>>, Vec<LoopInfo>) {
+    let mut groups: Vec<Vec<LoopInfo>> = Vec::new();
+    let mut plain = Vec::new();
+    for lo in found {
+        match &lo.gate {
+            Some(g) => match groups
+                .iter_mut()
+                .find(|grp| grp[0].gate.as_ref() == Some(g))
+            {
+                Some(grp) => grp.push(lo.clone()),
+                None => groups.push(vec![lo.clone()]),
+            },
+            None if pick(lo) => plain.push(lo.clone()),
+            None => {}
+        }
+    }
+    groups.retain(|grp| grp.iter().any(|l| pick(l)));
+    (groups, plain)
+}
+
+/// The fence of one gate and the devices stacked on it (see
+/// `kernel::loop_gate` for why this is a proof and not a bound):
+/// 1. each device above is made to use direct I/O if someone switched it
+///    off (its requests then complete only once the gate completed them);
+/// 2. the gate is shut in place (capacity 0, offset unchanged): every
+///    request a device above runs from now on fails in the gate's
+///    block-device file, whenever it passed its own end check;
+/// 3. a barrier on each device above: the requests that ran before the shut
+///    complete, into the data, before this returns;
+/// 4. the gate's empty window moves past the data, so a request sent to the
+///    gate itself (not through a device above) lands in the trailer, where
+///    [`late_write_at`] finds it.
+///
+/// No timed wait. Returns each device's state after, by device.
+fn shut_gate(
+    group: &[LoopInfo],
+    data_bytes: u64,
+    end: u64,
+) -> Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)> {
+    let gate_path = group[0].gate.clone().expect("grouped by gate");
+    let backing = (group[0].backing_dev, group[0].backing_ino);
+    let tops: Vec<&LoopInfo> = group.iter().filter(|l| l.device != gate_path).collect();
+    let outcome = (|| -> Result<Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)>, loop_device::LoopError> {
+        let gate = HeldDevice::open(&gate_path, backing)?;
+        let held: Vec<HeldDevice> = tops
+            .iter()
+            .filter_map(|t| match HeldDevice::open(&t.device, backing) {
+                Err(loop_device::LoopError::NotBound(_)) => None,
+                other => Some(other),
+            })
+            .collect::<Result<_, _>>()?;
+        for top in &held {
+            if !top.raw_status()?.direct_io {
+                loop_device::set_direct_io_raw(top.path(), true)?;
+                tracing::warn!(device = %top.path().display(), "a device on a gate was using buffered I/O: switched back to direct I/O before the fence");
+            }
+        }
+        let now = gate.status()?;
+        if now.size_limit != loop_gate::SHUT_LIMIT {
+            gate.remap(now.offset, loop_gate::SHUT_LIMIT)?;
+        }
+        for top in &held {
+            top.barrier()?;
+        }
+        if now.offset < data_bytes {
+            gate.remap(end, loop_gate::SHUT_LIMIT)?;
+        }
+        let mut out: Vec<_> = held.iter().map(|t| (t.path().to_path_buf(), t.status())).collect();
+        if held.is_empty() {
+            out.push((gate_path.clone(), gate.status()));
+        }
+        Ok(out)
+    })();
+    outcome.unwrap_or_else(|e| vec![(gate_path, Err(e))])
+}
+
+/// How long plain holders (no gate) stay shrunk in place before their
+/// windows move into the trailer; gated holders need none. A request that passed the block layer's end-of-device check with
 /// the old size runs with whatever window the device has when it gets into
 /// the queue: it may be waiting for the queue a remap froze, or for a CPU
 /// (a pod at its CPU limit waits for the next CFS period, 100 ms in
@@ -306,13 +440,18 @@ const SETTLE_BARRIERS: u32 = 5;
 /// trailer at `end` (see [`SETTLE`]). Each new holder is held open from its
 /// shrink to its move (`HeldDevice`), so a device released meanwhile cannot
 /// come back as another volume's and be remapped in its place. Returns each
-/// holder's result, in order, and how many were new.
+/// holder's result, in order, how many were new, and the time settled
+/// (none when no holder was shrunk).
 fn remap_pass(
     found: &[LoopInfo],
     data_bytes: u64,
     end: u64,
     settle: Duration,
-) -> (Vec<Result<LoopInfo, loop_device::LoopError>>, usize) {
+) -> (
+    Vec<Result<LoopInfo, loop_device::LoopError>>,
+    usize,
+    Duration,
+) {
     let mut held: Vec<Option<HeldDevice>> = Vec::with_capacity(found.len());
     let mut results = Vec::with_capacity(found.len());
     let mut new = 0;
@@ -344,11 +483,14 @@ fn remap_pass(
         .collect();
     let device = |i: usize| held[i].as_ref().expect("only held devices are in `shrunk`");
     // A zero settle is the fence as it was before the settle: one barrier.
-    let (barriers, pause) = if settle.is_zero() {
+    let (barriers, pause) = if shrunk.is_empty() {
+        (0, Duration::ZERO)
+    } else if settle.is_zero() {
         (1, Duration::ZERO)
     } else {
         (SETTLE_BARRIERS, settle / SETTLE_BARRIERS)
     };
+    let settle_start = Instant::now();
     for _ in 0..barriers {
         std::thread::sleep(pause);
         for &i in &shrunk {
@@ -362,7 +504,12 @@ fn remap_pass(
             results[i] = device(i).remap(end, WINDOW_BYTES);
         }
     }
-    (results, new)
+    let settled = if pause.is_zero() {
+        Duration::ZERO
+    } else {
+        settle_start.elapsed()
+    };
+    (results, new, settled)
 }
 
 /// Shrinks a device to one sector at its current offset: from here the end
@@ -417,9 +564,12 @@ pub struct ProbeReport {
 const PROBE_PREFIX: &str = "fcsi-probe";
 
 /// Proves the fence on `dir`'s filesystem: an image with data and trailer
-/// on a real loop device (buffered, then direct I/O), fenced, then a write,
-/// a discard and a write-zeroes through the device; the data must be
-/// byte-identical afterwards and the write must fail. Err says why not.
+/// on a gated loop device, as nodes attach (gate buffered, then direct
+/// I/O; the device above the gate must get direct I/O), fenced, then a
+/// write, a discard and a write-zeroes through the device: each runs after
+/// the gate was shut, as a request held across the fence would. The data
+/// must be byte-identical afterwards and the write must fail. Err says why
+/// not.
 pub fn probe(dir: &Path) -> Result<ProbeReport, String> {
     let start = Instant::now();
     // Compiled only with the `failpoints` feature: without it is_armed is
@@ -460,7 +610,7 @@ fn probe_once(work: &Path, direct: bool) -> Result<(), String> {
         })
         .map_err(|e| format!("probe image: {e}"))?;
     let tag = format!("{PROBE_PREFIX}:{}:{}", std::process::id(), u8::from(direct));
-    let lo = loop_device::attach(
+    let lo = loop_gate::attach_gated(
         &img,
         &AttachOptions {
             read_only: false,
@@ -562,7 +712,8 @@ fn clean_probe_leftovers(dir: &Path) {
         .filter_map(|e| files::dev_ino(&e.path()).ok())
         .collect();
     for lo in loop_device::list().unwrap_or_default() {
-        if lo.tag.starts_with(PROBE_PREFIX) && inodes.contains(&(lo.backing_dev, lo.backing_ino)) {
+        let tag = lo.tag.trim_start_matches(loop_gate::GATE_TAG_PREFIX);
+        if tag.starts_with(PROBE_PREFIX) && inodes.contains(&(lo.backing_dev, lo.backing_ino)) {
             let _ = loop_device::detach(&lo.device);
         }
     }

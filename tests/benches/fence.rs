@@ -1,9 +1,8 @@
 //! Fence benchmark: fence latency and attach-after-fence latency against
 //! volume size, on ext4 (no reflink: sparse copy), xfs and btrfs (reflink)
-//! backing filesystems, all made on loop devices in this run. Then the cost
-//! of the trailer remap against the fence it replaced (immutable flag, one
-//! queue drain, fsync), both on the same kind of image with the same dirty
-//! data, per backing filesystem: the baseline in the same run.
+//! backing filesystems, all made on loop devices in this run. Then the gated
+//! fence (every node's device now) against the fence before gates (a device
+//! straight over the image, with its settle), alternating in the same run.
 //!
 //! cargo bench -p fencecsi-tests --bench fence   (needs root, xfsprogs, btrfs-progs)
 //! FENCECSI_BENCH_CYCLES (default 3) fence/attach cycles per volume;
@@ -15,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use fencecsi_driver::fence::{self, TRAILER_BYTES};
 use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
+use fencecsi_driver::kernel::loop_gate;
 use fencecsi_tests::bench::pct_ms;
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{block_cap, Access, Env};
@@ -165,24 +165,27 @@ async fn main() {
             r.first_attach.as_secs_f64() * 1e3
         );
     }
-    println!("\n## The trailer remap against the fence it replaced ({runs} runs each; 64 MiB dirty in the page cache, one buffered loop device)\n");
-    println!("| backing fs | old fence (flag + drain + fsync) p50 ms | max ms | remap fence p50 ms | max ms | remap / old |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("\n## The gated fence against the fence before gates ({runs} runs each; 64 MiB written and fsynced through the device just before)\n");
+    println!("| backing fs | before gates (shrink, settle, move) p50 ms | p99 ms | max ms | gated (shut, drain, move) p50 ms | p99 ms | max ms | gated / before |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (kind, (old, new)) in &primitives {
         println!(
-            "| {kind} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
+            "| {kind} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3}x |",
             pct_ms(old, 50.0),
+            pct_ms(old, 99.0),
             pct_ms(old, 100.0),
             pct_ms(new, 50.0),
+            pct_ms(new, 99.0),
             pct_ms(new, 100.0),
             pct_ms(new, 50.0) / pct_ms(old, 50.0)
         );
     }
 }
 
-/// Old fence vs new, alternating, each on a fresh 256 MiB image with its
-/// trailer, a buffered loop device, and 64 MiB written through it (dirty in
-/// the page cache) just before: what a fence finds on a busy volume.
+/// The fence before gates (a device straight over the image: shrink,
+/// settle, move) against the gated fence (shut, drain, move), alternating,
+/// each on a fresh 256 MiB image with its trailer, a buffered loop device,
+/// and 64 MiB written and fsynced through it just before.
 fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
     const DATA: u64 = 256 << 20;
     let env = Env::new_in(dir);
@@ -190,15 +193,17 @@ fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
     for i in 0..runs * 2 {
         let img = env.path().join(format!("p{i}.img"));
         fencecsi_driver::kernel::files::create_sparse(&img, DATA + TRAILER_BYTES).unwrap();
-        let lo = loop_device::attach(
-            &img,
-            &AttachOptions {
-                tag: format!("bench-prim-{i}"),
-                size_limit: DATA,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let opts = AttachOptions {
+            tag: format!("bench-prim-{i}"),
+            size_limit: DATA,
+            ..Default::default()
+        };
+        let gated = i % 2 == 1;
+        let lo = if gated {
+            loop_gate::attach_gated(&img, &opts).unwrap()
+        } else {
+            loop_device::attach(&img, &opts).unwrap()
+        };
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(&lo.device)
@@ -207,16 +212,14 @@ fn primitive_costs(dir: &Path, runs: usize) -> (Vec<Duration>, Vec<Duration>) {
         for m in 0..64u64 {
             f.write_all_at(&buf, m << 20).unwrap();
         }
+        f.sync_all().unwrap();
         drop(f);
         let t = Instant::now();
-        if i % 2 == 0 {
-            fencecsi_driver::kernel::files::set_immutable(&img, true).unwrap();
-            loop_device::drain(&lo.device).unwrap();
-            std::fs::File::open(&img).unwrap().sync_all().unwrap();
-            old.push(t.elapsed());
-        } else {
-            fence::freeze(&img, DATA, fence::SETTLE).unwrap();
+        fence::freeze(&img, DATA, fence::SETTLE).unwrap();
+        if gated {
             new.push(t.elapsed());
+        } else {
+            old.push(t.elapsed());
         }
         loop_device::detach(&lo.device).unwrap();
         fencecsi_driver::kernel::files::set_immutable(&img, false).unwrap();

@@ -146,25 +146,45 @@ impl Env {
         v
     }
 
-    /// Loop devices whose backing file lies below this env.
+    /// The attachments on this env's images: a loop device whose backing
+    /// file lies below this env, or, for a gate, the device stacked on it
+    /// (one entry per attachment, as the driver counts them).
     pub fn loops(&self) -> Vec<PathBuf> {
-        let mut out = Vec::new();
-        let Ok(entries) = std::fs::read_dir("/sys/block") else {
-            return out;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().to_string();
-            if !name.starts_with("loop") {
-                continue;
-            }
-            if let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
-                let backing = backing.trim().trim_end_matches(" (deleted)");
-                if Path::new(backing).starts_with(self.path()) {
-                    out.push(PathBuf::from("/dev").join(&name));
-                }
-            }
-        }
+        let (gates_and_plain, stacked) = self.loop_layers();
+        let mut out: Vec<PathBuf> = stacked.iter().map(|(d, _)| d.clone()).collect();
+        out.extend(
+            gates_and_plain
+                .into_iter()
+                .filter(|d| !stacked.iter().any(|(_, under)| under == d)),
+        );
         out
+    }
+
+    /// Loop devices over this env's files, and (device, the device under
+    /// it) for those stacked on one of them.
+    fn loop_layers(&self) -> (Vec<PathBuf>, Vec<(PathBuf, PathBuf)>) {
+        let backing: Vec<(PathBuf, String)> = std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("loop"))
+            .filter_map(|e| {
+                let b = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+                let b = b.trim().trim_end_matches(" (deleted)").to_string();
+                Some((PathBuf::from("/dev").join(e.file_name()), b))
+            })
+            .collect();
+        let ours: Vec<PathBuf> = backing
+            .iter()
+            .filter(|(_, b)| Path::new(b).starts_with(self.path()))
+            .map(|(d, _)| d.clone())
+            .collect();
+        let stacked = backing
+            .iter()
+            .filter(|(_, b)| ours.iter().any(|d| Path::new(b) == d))
+            .map(|(d, b)| (d.clone(), PathBuf::from(b)))
+            .collect();
+        (ours, stacked)
     }
 
     /// Asserts nothing of this env is mounted or attached.
@@ -190,6 +210,10 @@ impl Env {
         let loops = self.loops();
         for l in &loops {
             let _ = fencecsi_driver::kernel::loop_device::detach(l);
+        }
+        // A gate goes with the device on it (autoclear); one left bare is detached too.
+        for l in self.loop_layers().0 {
+            let _ = fencecsi_driver::kernel::loop_device::detach(&l);
         }
         clear_immutable(&self.state_dir());
         (mounts.len(), loops.len())
@@ -591,6 +615,23 @@ pub fn backing_fs(outer: &Env, kind: &str, size: u64) -> PathBuf {
     std::fs::create_dir_all(&mnt).unwrap();
     fencecsi_driver::kernel::mounts::mount_device(&lo.device, &mnt, kind, &[], false).unwrap();
     mnt
+}
+
+/// The file a loop device reads and writes: its backing file, or, for a
+/// device stacked on a gate, the gate's.
+pub fn backing_file_of(device: &Path) -> PathBuf {
+    let sys = |d: &Path| {
+        let name = d.file_name().unwrap().to_string_lossy().to_string();
+        let b = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+            .unwrap_or_else(|e| panic!("backing file of {}: {e}", d.display()));
+        PathBuf::from(b.trim().trim_end_matches(" (deleted)"))
+    };
+    let b = sys(device);
+    if b.to_string_lossy().starts_with("/dev/loop") {
+        sys(&b)
+    } else {
+        b
+    }
 }
 
 /// Whether /proc/locks shows a waiter blocked on an flock of `path`.

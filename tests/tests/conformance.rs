@@ -231,9 +231,7 @@ fn rdev(p: &Path) -> (u32, u32) {
 fn only_loop(env: &Env) -> (PathBuf, PathBuf) {
     let loops = env.loops();
     assert_eq!(loops.len(), 1, "exactly one loop device: {loops:?}");
-    let name = loops[0].file_name().unwrap().to_string_lossy().to_string();
-    let backing = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).unwrap();
-    (loops[0].clone(), PathBuf::from(backing.trim()))
+    (loops[0].clone(), fencecsi_tests::backing_file_of(&loops[0]))
 }
 
 fn write_payload(path: &Path, seed: u32, len: usize) -> String {

@@ -7,18 +7,21 @@
 //!
 //! Writer threads, held to a small CPU share by a cgroup v1 `cpu` quota so
 //! that they are often off-CPU in the middle of a submission, write
-//! distinct 4 KiB blocks with O_DIRECT to the raw loop device while the
-//! controller's fence (`fence::freeze`) runs. Every write that completed
-//! without error after the fence returned must be found in the image's data
-//! region, and `fence::late_write_at` (what garbage collection reports) finds
-//! nothing past the window. Positive controls: writes reached the data before
-//! the fence, and the writers saw errors after it; without the settle, rounds
-//! lose such writes and `late_write_at` finds them.
+//! distinct 4 KiB blocks with O_DIRECT to a gated loop device (as nodes
+//! attach) while the controller's fence (`fence::freeze`) runs, with no
+//! settle: the gate's fence has none. Every write that completed without
+//! error after the fence returned must be found in the image's data region,
+//! and `fence::late_write_at` (what garbage collection reports) finds
+//! nothing past the window. Positive controls: writes reached the data
+//! before the fence, and the writers saw errors after it; on a device
+//! attached straight onto the image (no gate) with no settle, rounds lose
+//! such writes and `late_write_at` finds them. (tests/tests/fence_held.rs
+//! holds requests much longer, in blk-throttle.)
 //!
 //! Rounds: FENCECSI_INFLIGHT_ROUNDS (default 20) per backing filesystem and
-//! loop mode. On btrfs and xfs backing, a positive control then runs rounds
-//! without the settle until one loses a write (on ext4 the immutable flag
-//! fails such writes anyway).
+//! loop mode. On btrfs and xfs backing, the positive control then runs rounds
+//! until one loses a write (on ext4 the immutable flag fails such writes
+//! anyway).
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -28,6 +31,7 @@ use std::time::Duration;
 
 use fencecsi_driver::fence;
 use fencecsi_driver::kernel::loop_device::{self, AttachOptions};
+use fencecsi_driver::kernel::loop_gate;
 use fencecsi_tests::rig::Rng;
 use fencecsi_tests::{monotonic_ns, require_root, Env};
 
@@ -220,9 +224,11 @@ struct RoundResult {
     late: Option<u64>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn one_round(
     env: &Env,
     round: u64,
+    gated: bool,
     direct_io: bool,
     delay_ms: u64,
     quota: &Option<Arc<CpuQuota>>,
@@ -232,17 +238,20 @@ fn one_round(
     let image = env.path().join(format!("inflight-{round}.img"));
     fencecsi_driver::kernel::files::create_sparse(&image, DATA).unwrap();
     fence::ensure_trailer(&image, DATA).unwrap();
-    let lo = loop_device::attach(
-        &image,
-        &AttachOptions {
-            read_only: false,
-            direct_io,
-            tag: format!("fcsi-test-inflight-{round}"),
-            size_limit: DATA,
-            logical_block_size: 0,
-        },
-    )
-    .unwrap();
+    let opts = AttachOptions {
+        read_only: false,
+        direct_io,
+        tag: format!("fcsi-test-inflight-{round}"),
+        size_limit: DATA,
+        logical_block_size: 0,
+    };
+    // Nodes attach through a gate; the race control attaches straight onto
+    // the image, as before gates, where the fence's settle is all there is.
+    let lo = if gated {
+        loop_gate::attach_gated(&image, &opts).unwrap()
+    } else {
+        loop_device::attach(&image, &opts).unwrap()
+    };
     let done = Arc::new(AtomicUsize::new(0));
     let mut writers = Writers::start(&lo.device, round, quota, &done);
     // Writes reach the data first (the positive control), then the fence
@@ -320,10 +329,12 @@ fn inflight(backing: &str) {
             let res = one_round(
                 &env,
                 round,
+                true,
                 direct_io,
                 rng.range(5, 40),
                 &quota,
-                fence::SETTLE,
+                // A gated device's fence has no settle to give.
+                Duration::ZERO,
                 Duration::from_millis(150),
             );
             assert!(
@@ -387,6 +398,7 @@ fn race_control(env: &Env, rng: &mut Rng, quota: &Option<Arc<CpuQuota>>) {
         let res = one_round(
             env,
             10_000 + r,
+            false,
             direct_io,
             rng.range(5, 40),
             quota,
@@ -423,47 +435,85 @@ fn fence_with_writes_in_flight_backing_ext4() {
     inflight("ext4");
 }
 
-/// The controller's `--fence-settle` reaches its fences: with a 3 s settle a
-/// fenced unpublish takes at least that long; control: with the default
-/// (250 ms) the same fence takes less.
+/// The controller's `--fence-settle` reaches its fences, and only devices
+/// without a gate wait for it: with a 3 s settle, a fenced unpublish of a
+/// generation that a device attached straight onto the image (as an older
+/// driver attached) also holds takes at least that long. A gated device's
+/// fence records no settle at all (`FenceReport::settled`), whatever the
+/// settle given; a plain device's records the settle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controllers_fence_settle_is_what_it_was_given() {
     require_root!();
     const SETTLE: Duration = Duration::from_secs(3);
     let env = Env::new();
-    let took = fenced_unpublish_takes(&env, Some(SETTLE)).await;
+    let took = fenced_unpublish_with_a_plain_holder_takes(&env, SETTLE).await;
     assert!(
         took >= SETTLE,
         "the fence took {took:?}, less than its settle"
     );
-    let default = fenced_unpublish_takes(&env, None).await;
-    assert!(
-        default < SETTLE,
-        "control: with the default settle the fence took {default:?}"
-    );
+    for gated in [true, false] {
+        let image = env.path().join(format!("settle-{gated}.img"));
+        fencecsi_driver::kernel::files::create_sparse(&image, 1 << 20).unwrap();
+        fence::ensure_trailer(&image, 1 << 20).unwrap();
+        let opts = AttachOptions {
+            read_only: false,
+            direct_io: false,
+            tag: format!("fcsi-test-settle-{gated}"),
+            size_limit: 1 << 20,
+            logical_block_size: 0,
+        };
+        let lo = if gated {
+            loop_gate::attach_gated(&image, &opts).unwrap()
+        } else {
+            loop_device::attach(&image, &opts).unwrap()
+        };
+        let report = fence::fence_devices(&image, 1 << 20, &|_| true, SETTLE);
+        loop_device::detach(&lo.device).unwrap();
+        let report = report.unwrap();
+        if gated {
+            assert_eq!(
+                report.settled,
+                Duration::ZERO,
+                "a gated device's fence settles nothing"
+            );
+        } else {
+            assert!(
+                report.settled >= SETTLE,
+                "control: a plain device's fence settled {:?}",
+                report.settled
+            );
+        }
+    }
     env.assert_clean();
 }
 
-/// How long one fenced unpublish takes on a controller with `settle` (None:
-/// the default), everything it made removed again.
-async fn fenced_unpublish_takes(env: &Env, settle: Option<Duration>) -> Duration {
+/// How long one fenced unpublish takes on a controller with `settle` when a
+/// plain device (no gate, attached by the test) also holds the generation.
+async fn fenced_unpublish_with_a_plain_holder_takes(env: &Env, settle: Duration) -> Duration {
     use fencecsi_tests::rig::Rig;
-    use fencecsi_tests::{block_cap, Access};
-    let rig = Rig::start_with(env, &["node-a"], |c| {
-        if let Some(s) = settle {
-            c.fence_settle = s;
-        }
-    })
-    .await;
+    use fencecsi_tests::{block_cap, generation_path, Access};
+    let rig = Rig::start_with(env, &["node-a"], |c| c.fence_settle = settle).await;
     let cap = block_cap(Access::SingleNodeWriter);
     let vol = rig.create("settle", 16 << 20, &cap).await;
     let a = rig
         .attach(env, &vol.volume_id, "node-a", "pod-a", &cap)
         .await
         .unwrap();
+    let plain = loop_device::attach(
+        &generation_path(env, &vol.volume_id, 1),
+        &AttachOptions {
+            read_only: false,
+            direct_io: false,
+            tag: "fcsi-test-settle-plain".into(),
+            size_limit: 16 << 20,
+            logical_block_size: 0,
+        },
+    )
+    .unwrap();
     let start = std::time::Instant::now();
     rig.unpublish(&vol.volume_id, "node-a", true).await.unwrap();
     let took = start.elapsed();
+    loop_device::detach(&plain.device).unwrap();
     rig.node_teardown(&a, true).await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while let Err(e) = rig.delete(&vol.volume_id).await {

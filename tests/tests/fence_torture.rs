@@ -177,7 +177,15 @@ async fn one_run(
     // that refused direct I/O would silently leave the dio runs buffered.
     let held = fencecsi_driver::fence::holders(&image).unwrap();
     assert_eq!(held.len(), 1, "{label}: node A's one device: {held:?}");
-    let dio_attr = format!("/sys/block/loop{}/loop/dio", held[0].number);
+    // Node devices are gated: the gate is what reads and writes the image.
+    let gate = held[0]
+        .gate
+        .clone()
+        .unwrap_or_else(|| panic!("{label}: node A's device is not on a gate: {held:?}"));
+    let dio_attr = format!(
+        "/sys/block/{}/loop/dio",
+        gate.file_name().unwrap().to_string_lossy()
+    );
     let dio = std::fs::read_to_string(&dio_attr)
         .unwrap_or_else(|e| panic!("{label}: reading {dio_attr}: {e}"));
     assert_eq!(

@@ -71,6 +71,7 @@ impl Controller {
                 .backend
                 .holders(&id, v.current_generation)
                 .map_err(|e| CsiError::internal("listing the volume's loop devices", e))?;
+            // `direct_io` of a device on a gate is the gate's, and the switch goes to the gate.
             for lo in holders.iter().filter(|l| l.direct_io != dio) {
                 match crate::kernel::loop_device::set_direct_io(&lo.device, dio) {
                     Ok(()) => {

@@ -118,6 +118,8 @@ pub enum LoopError {
     NotLoopDevice(PathBuf),
     #[error("invalid tag {tag:?}: {reason}")]
     InvalidTag { tag: String, reason: &'static str },
+    #[error("{device} (stacked on gate {gate}) does not use direct I/O, which the fence needs; both released")]
+    NotDirect { device: PathBuf, gate: PathBuf },
     #[error("no free loop device after {0} attempts: other processes kept taking them")]
     NoFreeDevice(u32),
     #[error("{path}: {source}")]
@@ -158,6 +160,13 @@ pub struct LoopInfo {
     pub offset: u64,
     /// The window's length limit (lo_sizelimit; 0: up to the end of the file).
     pub size_limit: u64,
+    /// The gate this device writes through (see [`super::loop_gate`]): for a
+    /// device stacked on a gate, the gate, whose backing file, window and
+    /// I/O mode the fields above then report (`size_bytes` is the smaller
+    /// of the two capacities); for a gate nothing is stacked on, itself.
+    /// None for a plain device over its file.
+    #[serde(default)]
+    pub gate: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -308,10 +317,14 @@ fn legacy_bind(
     backing: &File,
     tag: &str,
     size_limit: u64,
+    autoclear: bool,
 ) -> Result<(), Errno> {
     unsafe { ioc::loop_set_fd(dev.as_raw_fd(), backing.as_raw_fd()) }?;
     let mut info = LoopInfo64::zeroed();
     info.lo_sizelimit = size_limit;
+    if autoclear {
+        info.lo_flags = LO_FLAGS_AUTOCLEAR;
+    }
     fill_name(&mut info, tag);
     if let Err(e) = unsafe { ioc::loop_set_status64(dev.as_raw_fd(), &info) } {
         if let Err(e2) = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) } {
@@ -336,6 +349,19 @@ fn attach_inner(
     opts: &AttachOptions,
     try_configure: bool,
 ) -> Result<LoopInfo, LoopError> {
+    bind(file, opts, try_configure, false).map(|(info, _)| info)
+}
+
+/// Binds `file` to a free loop device; also returns the descriptor the
+/// device was configured through. With `autoclear` the kernel unbinds the
+/// device at its last close, so the caller keeps that descriptor open until
+/// something else holds the device (see `loop_gate::attach_gated`).
+pub(crate) fn bind(
+    file: &Path,
+    opts: &AttachOptions,
+    try_configure: bool,
+    autoclear: bool,
+) -> Result<(LoopInfo, File), LoopError> {
     validate_tag(&opts.tag)?;
     let backing = OpenOptions::new()
         .read(true)
@@ -359,7 +385,7 @@ fn attach_inner(
 
     let mut want_dio = opts.direct_io;
     let mut use_configure = try_configure;
-    let mut bound: Option<PathBuf> = None;
+    let mut bound: Option<(PathBuf, File)> = None;
     for attempt in 0..ATTACH_TRIES {
         let number = match unsafe { ioc::loop_ctl_get_free(ctl.as_raw_fd()) } {
             Ok(n) => n as u32,
@@ -386,6 +412,9 @@ fn attach_inner(
             if want_dio {
                 flags |= LO_FLAGS_DIRECT_IO;
             }
+            if autoclear {
+                flags |= LO_FLAGS_AUTOCLEAR;
+            }
             configure(
                 &dev,
                 &backing,
@@ -395,25 +424,31 @@ fn attach_inner(
                 opts.logical_block_size,
             )
         } else {
-            legacy_bind(&dev, &dev_path, &backing, &opts.tag, opts.size_limit)
+            legacy_bind(
+                &dev,
+                &dev_path,
+                &backing,
+                &opts.tag,
+                opts.size_limit,
+                autoclear,
+            )
         };
         match res {
             Ok(()) => {
-                bound = Some(dev_path);
                 if !use_configure && want_dio {
                     // The legacy path can only ask for direct I/O afterwards.
                     if let Err(e) = unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), 1) } {
-                        tracing::warn!(device = %bound.as_ref().unwrap().display(), error = %e, "direct I/O refused; using buffered I/O");
+                        tracing::warn!(device = %dev_path.display(), error = %e, "direct I/O refused; using buffered I/O");
                     }
                 }
                 if !use_configure && opts.logical_block_size != 0 {
                     let size = opts.logical_block_size as i32;
                     if let Err(e) = unsafe { ioc::loop_set_block_size(dev.as_raw_fd(), size) } {
-                        let dev_path = bound.take().unwrap();
                         let _ = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) };
                         return Err(LoopError::ioctl("LOOP_SET_BLOCK_SIZE", &dev_path, e));
                     }
                 }
+                bound = Some((dev_path, dev));
                 break;
             }
             Err(Errno::EBUSY | Errno::EAGAIN) => {
@@ -442,13 +477,13 @@ fn attach_inner(
             }
         }
     }
-    let dev_path = bound.ok_or(LoopError::NoFreeDevice(ATTACH_TRIES))?;
-    let info = status(&dev_path)?;
+    let (dev_path, dev) = bound.ok_or(LoopError::NoFreeDevice(ATTACH_TRIES))?;
+    let info = status_of(&dev, &dev_path)?;
     if opts.direct_io && !info.direct_io {
         tracing::warn!(device = %dev_path.display(), file = %file.display(), "direct I/O not in effect; the backing file is used with buffered I/O");
     }
     tracing::info!(device = %dev_path.display(), file = %file.display(), tag = %info.tag, read_only = info.read_only, direct_io = info.direct_io, "loop device attached");
-    Ok(info)
+    Ok((info, dev))
 }
 
 /// Unbinds a loop device (LOOP_CLR_FD).
@@ -463,9 +498,7 @@ pub fn detach(device: &Path) -> Result<(), LoopError> {
     // Serialised with a fence's remap of this device (see `remap`), which
     // would otherwise overwrite the autoclear flag this call may set.
     let _guard = match get_status_raw(&dev, device) {
-        Ok(raw) => {
-            crate::locks::BackingLock::exclusive_for(raw.lo_number, raw.lo_device, raw.lo_inode)
-        }
+        Ok(raw) => image_lock_for(raw),
         Err(LoopError::NotBound(_)) => None,
         Err(e) => return Err(e),
     };
@@ -478,9 +511,29 @@ pub fn detach(device: &Path) -> Result<(), LoopError> {
     }
 }
 
+/// The image lock for a device's backing file; for a device stacked on a
+/// gate, the lock of the gate's file (the image), which the fence holds.
+fn image_lock_for(raw: LoopInfo64) -> Option<crate::locks::BackingLock> {
+    let raw = if is_loop_rdev(raw.lo_rdevice) {
+        let (gate, path) = open_by_rdev(raw.lo_rdevice)?;
+        get_status_raw(&gate, &path).ok()?
+    } else {
+        raw
+    };
+    crate::locks::BackingLock::exclusive_for(raw.lo_number, raw.lo_device, raw.lo_inode)
+}
+
 /// Switches a bound device's direct I/O on or off (`LOOP_SET_DIRECT_IO`). The kernel
 /// refuses (EINVAL) when the backing file cannot do direct I/O at the device's block size.
+/// On a device stacked on a gate it is the gate that switches: the gate is
+/// what reads and writes the image, and the device above always uses direct
+/// I/O (see `loop_gate`).
 pub fn set_direct_io(device: &Path, on: bool) -> Result<(), LoopError> {
+    let target = status(device)?.gate.unwrap_or_else(|| device.to_path_buf());
+    set_direct_io_raw(&target, on)
+}
+
+pub(crate) fn set_direct_io_raw(device: &Path, on: bool) -> Result<(), LoopError> {
     let dev = open_loop(device, false)?;
     unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), on as i32) }
         .map(|_| ())
@@ -492,7 +545,19 @@ pub fn status(device: &Path) -> Result<LoopInfo, LoopError> {
     status_of(&open_loop(device, false)?, device)
 }
 
+/// [`status`] of the device itself, not seen through a gate it is stacked on.
+pub fn open_raw_status(device: &Path) -> Result<LoopInfo, LoopError> {
+    raw_status_of(&open_loop(device, false)?, device).map(|(info, _)| info)
+}
+
 fn status_of(dev: &File, device: &Path) -> Result<LoopInfo, LoopError> {
+    let (info, rdevice) = raw_status_of(dev, device)?;
+    super::loop_gate::resolve(info, rdevice)
+}
+
+/// What the kernel reports for the device itself, not resolved through a
+/// gate, and the device number of its backing file (0 for a regular file).
+pub(crate) fn raw_status_of(dev: &File, device: &Path) -> Result<(LoopInfo, u64), LoopError> {
     let raw = get_status_raw(dev, device)?;
     let size_bytes = blkgetsize64(dev).map_err(|e| LoopError::ioctl("BLKGETSIZE64", device, e))?;
     let number = raw.lo_number;
@@ -501,7 +566,7 @@ fn status_of(dev: &File, device: &Path) -> Result<LoopInfo, LoopError> {
         Ok(s) => s.trim() == "1",
         Err(_) => raw.lo_flags & LO_FLAGS_DIRECT_IO != 0,
     };
-    Ok(LoopInfo {
+    let info = LoopInfo {
         device: device_path(number),
         number,
         backing_dev: raw.lo_device,
@@ -513,7 +578,34 @@ fn status_of(dev: &File, device: &Path) -> Result<LoopInfo, LoopError> {
         size_bytes,
         offset: raw.lo_offset,
         size_limit: raw.lo_sizelimit,
-    })
+        gate: None,
+    };
+    Ok((info, raw.lo_rdevice))
+}
+
+/// Whether a device number (as `lo_rdevice` reports it) is a loop device's.
+pub(crate) fn is_loop_rdev(rdev: u64) -> bool {
+    rdev != 0 && libc::major(rdev) == LOOP_MAJOR
+}
+
+/// The bound loop device whose block device number is `rdev`, opened
+/// read-only; None when none is (any more).
+pub(crate) fn open_by_rdev(rdev: u64) -> Option<(File, PathBuf)> {
+    let link = std::fs::read_link(format!(
+        "/sys/dev/block/{}:{}",
+        libc::major(rdev),
+        libc::minor(rdev)
+    ))
+    .ok()?;
+    let number: u32 = link
+        .file_name()?
+        .to_str()?
+        .strip_prefix("loop")?
+        .parse()
+        .ok()?;
+    let path = ensure_node(number).ok()?;
+    let file = open_loop(&path, false).ok()?;
+    Some((file, path))
 }
 
 /// Every bound loop device on the machine, sorted by number.
@@ -551,6 +643,12 @@ pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
             Err(e) => return Err(e),
         }
     }
+    // A gate with a device stacked on it is listed as that device.
+    let covered: Vec<PathBuf> = out
+        .iter()
+        .filter_map(|i| i.gate.clone().filter(|g| *g != i.device))
+        .collect();
+    out.retain(|i| !covered.contains(&i.device));
     out.sort_by_key(|i| i.number);
     Ok(out)
 }
@@ -661,6 +759,34 @@ impl HeldDevice {
         }
         set_window(&self.file, &self.path, info, offset, size_limit)?;
         self.status()
+    }
+}
+
+impl HeldDevice {
+    /// A barrier on the held device: LOOP_SET_STATUS64 with its own window
+    /// unchanged, which returns once every request in its queue completed
+    /// (see [`remap`]). Also for a device stacked on a gate, whose own window
+    /// is not the gate's; it must still back the same file (through its gate).
+    pub fn barrier(&self) -> Result<LoopInfo, LoopError> {
+        self.status()?;
+        let info = get_status_raw(&self.file, &self.path)?;
+        set_window(
+            &self.file,
+            &self.path,
+            info,
+            info.lo_offset,
+            info.lo_sizelimit,
+        )?;
+        self.status()
+    }
+
+    /// The device itself as the kernel reports it (not through its gate).
+    pub fn raw_status(&self) -> Result<LoopInfo, LoopError> {
+        raw_status_of(&self.file, &self.path).map(|(info, _)| info)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 }
 

@@ -146,7 +146,7 @@ impl Node {
             return Ok(Some(twin.device));
         }
         let image = self.generation_path(id, gen);
-        let twin = loop_device::attach(
+        let twin = crate::kernel::loop_gate::attach_gated(
             &image,
             &AttachOptions {
                 read_only: true,

@@ -277,7 +277,7 @@ impl Node {
             }
             return Ok(lo);
         }
-        loop_device::attach(image, &opts).map_err(|e| {
+        crate::kernel::loop_gate::attach_gated(image, &opts).map_err(|e| {
             // A fence that did not wait for this attach set the immutable
             // flag meanwhile: that, not the kernel's EPERM, is the reason.
             if !readonly && fenced_whole(image) {

@@ -263,6 +263,7 @@ mod tests {
             autoclear: false,
             offset: 0,
             size_limit: 0,
+            gate: None,
         }
     }
 
