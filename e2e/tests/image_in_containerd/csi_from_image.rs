@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use fencecsi_driver::fence::WINDOW_BYTES;
+use fencecsi_driver::kernel::loop_gate::SHUT_LIMIT;
 use fencecsi_e2e::image_run::NodeCtr;
 use fencecsi_e2e::node::NodeSpec;
 use fencecsi_e2e::process::sh;
@@ -296,8 +296,9 @@ impl PluginCsi {
     }
 
     /// The fence, with its positive control: a write before it reaches the image, the
-    /// fence moves the loop device's window into the trailer, a write after it fails and
-    /// changes nothing. Returns the image and its data's hash at the fence.
+    /// fence shuts the gate (the loop device over the image, under the node's device) and
+    /// moves its empty window into the trailer, a write after it fails and changes
+    /// nothing. Returns the image and its data's hash at the fence.
     async fn fence_and_check(&mut self, v: &Vol) -> Result<(PathBuf, String)> {
         let image = self.generation_image(&v.id)?;
         let mounted_dir = self.in_node(&v.target);
@@ -333,11 +334,11 @@ impl PluginCsi {
         ensure!(
             devices.iter().any(|d| d.name == device_before.name
                 && d.window.0 >= v.bytes
-                && d.window.1 == WINDOW_BYTES),
-            "the fence moved the device's window into the trailer: before {device_before:?}, after {devices:?}"
+                && d.window.1 == SHUT_LIMIT),
+            "the fence shut the gate and moved its window into the trailer: before {device_before:?}, after {devices:?}"
         );
         say(format!(
-            "image: fence held ({} remapped, the late write failed: {})",
+            "image: fence held (gate {} shut, the late write failed: {})",
             device_before.name,
             late.unwrap_err()
         ));
@@ -378,7 +379,8 @@ impl PluginCsi {
         Ok(info.lines().any(|l| l.split(' ').nth(4) == Some(path)))
     }
 
-    /// Loop devices backed by a file on the state filesystem.
+    /// Loop devices backed by a file on the state filesystem: the gates (the node's
+    /// devices are stacked on them).
     fn loop_devices(&self) -> Result<Vec<LoopDevice>> {
         let out = sh(
             "losetup",
