@@ -4,7 +4,7 @@
 //! btrfs check it at open; discard and write-zeroes become `fallocate`,
 //! which passes it everywhere). The fence therefore works in the block layer.
 //!
-//! **Gated devices** (every device a node attaches, see
+//! **Gated devices** (every volume device a node attaches, see
 //! `kernel::loop_gate`): the node's device is stacked on a gate, a loop
 //! device over the image. The fence shuts the gate (capacity 0, in place),
 //! drains the device above with a barrier, and moves the gate's empty
@@ -383,12 +383,14 @@ fn shut_gate(
 ) -> Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)> {
     let gate_path = group[0].gate.clone().expect("grouped by gate");
     let backing = (group[0].backing_dev, group[0].backing_ino);
-    let tops: Vec<&LoopInfo> = group.iter().filter(|l| l.device != gate_path).collect();
     let outcome = (|| -> Result<Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)>, loop_device::LoopError> {
         let gate = HeldDevice::open(&gate_path, backing)?;
-        let held: Vec<HeldDevice> = tops
+        // The devices above, from their own status (not from the listing,
+        // which sees them through the gate): a device above that is skipped
+        // would not be drained. Only one unbound since counts as released.
+        let held: Vec<HeldDevice> = loop_device::stacked_on(&gate_path)?
             .iter()
-            .filter_map(|t| match HeldDevice::open(&t.device, backing) {
+            .filter_map(|t| match HeldDevice::open(t, backing) {
                 Err(loop_device::LoopError::NotBound(_)) => None,
                 other => Some(other),
             })
@@ -396,6 +398,12 @@ fn shut_gate(
         for top in &held {
             if !top.raw_status()?.direct_io {
                 loop_device::set_direct_io_raw(top.path(), true)?;
+                if !top.raw_status()?.direct_io {
+                    return Err(loop_device::LoopError::NotDirect {
+                        device: top.path().to_path_buf(),
+                        gate: gate_path.clone(),
+                    });
+                }
                 tracing::warn!(device = %top.path().display(), "a device on a gate was using buffered I/O: switched back to direct I/O before the fence");
             }
         }

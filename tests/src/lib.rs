@@ -194,6 +194,12 @@ impl Env {
             Vec::<PathBuf>::new(),
             "mounts left below the test dir"
         );
+        // A gate is unbound at its last close, which a udev probe of the
+        // device (its capacity changed) may hold for a moment.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !self.loops().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         assert_eq!(
             self.loops(),
             Vec::<PathBuf>::new(),

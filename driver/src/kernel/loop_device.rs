@@ -118,7 +118,7 @@ pub enum LoopError {
     NotLoopDevice(PathBuf),
     #[error("invalid tag {tag:?}: {reason}")]
     InvalidTag { tag: String, reason: &'static str },
-    #[error("{device} (stacked on gate {gate}) does not use direct I/O, which the fence needs; both released")]
+    #[error("{device} (stacked on gate {gate}) does not use direct I/O, which the fence needs; it is released, and the gate with it")]
     NotDirect { device: PathBuf, gate: PathBuf },
     #[error("no free loop device after {0} attempts: other processes kept taking them")]
     NoFreeDevice(u32),
@@ -515,7 +515,7 @@ pub fn detach(device: &Path) -> Result<(), LoopError> {
 /// gate, the lock of the gate's file (the image), which the fence holds.
 fn image_lock_for(raw: LoopInfo64) -> Option<crate::locks::BackingLock> {
     let raw = if is_loop_rdev(raw.lo_rdevice) {
-        let (gate, path) = open_by_rdev(raw.lo_rdevice)?;
+        let (gate, path) = open_by_rdev(raw.lo_rdevice).ok().flatten()?;
         get_status_raw(&gate, &path).ok()?
     } else {
         raw
@@ -588,28 +588,74 @@ pub(crate) fn is_loop_rdev(rdev: u64) -> bool {
     rdev != 0 && libc::major(rdev) == LOOP_MAJOR
 }
 
-/// The bound loop device whose block device number is `rdev`, opened
-/// read-only; None when none is (any more).
-pub(crate) fn open_by_rdev(rdev: u64) -> Option<(File, PathBuf)> {
-    let link = std::fs::read_link(format!(
+/// The loop device whose block device number is `rdev`, opened read-only;
+/// None when it is gone. Any other failure is an error: a caller that could
+/// not look must not take the device for something else.
+pub(crate) fn open_by_rdev(rdev: u64) -> Result<Option<(File, PathBuf)>, LoopError> {
+    let sys = PathBuf::from(format!(
         "/sys/dev/block/{}:{}",
         libc::major(rdev),
         libc::minor(rdev)
-    ))
-    .ok()?;
+    ));
+    let link = match std::fs::read_link(&sys) {
+        Ok(l) => l,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(LoopError::Io { path: sys, source }),
+    };
     let number: u32 = link
-        .file_name()?
-        .to_str()?
-        .strip_prefix("loop")?
-        .parse()
-        .ok()?;
-    let path = ensure_node(number).ok()?;
-    let file = open_loop(&path, false).ok()?;
-    Some((file, path))
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("loop"))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| LoopError::NotLoopDevice(link.clone()))?;
+    let path = ensure_node(number)?;
+    match open_loop(&path, false) {
+        Ok(file) => Ok(Some((file, path))),
+        Err(LoopError::Open { source, .. })
+            if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
-/// Every bound loop device on the machine, sorted by number.
+/// LOOP_CLR_FD on a device this process just bound and nobody used yet
+/// (an attach undoing itself): without the image lock, which the attach
+/// may hold shared.
+pub(crate) fn clear_unused(device: &Path) -> Result<(), LoopError> {
+    let dev = open_loop(device, false)?;
+    match unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) } {
+        Ok(_) | Err(Errno::ENXIO) => Ok(()),
+        Err(e) => Err(LoopError::ioctl("LOOP_CLR_FD", device, e)),
+    }
+}
+
+/// Every bound loop device on the machine, sorted by number; a device
+/// stacked on a gate is reported through it (see `loop_gate::resolve`) and
+/// the gate itself is then left out.
 pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
+    let mut out = Vec::new();
+    for (info, rdevice) in raw_list()? {
+        match super::loop_gate::resolve(info, rdevice) {
+            Ok(info) => out.push(info),
+            Err(LoopError::NotBound(_)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    // A gate with a device stacked on it is listed as that device.
+    let covered: Vec<PathBuf> = out
+        .iter()
+        .filter_map(|i| i.gate.clone().filter(|g| *g != i.device))
+        .collect();
+    out.retain(|i| !covered.contains(&i.device));
+    out.sort_by_key(|i| i.number);
+    Ok(out)
+}
+
+/// Every bound loop device as the kernel reports it (not through a gate),
+/// with its backing file's device number.
+fn raw_list() -> Result<Vec<(LoopInfo, u64)>, LoopError> {
     let sys = Path::new("/sys/block");
     let entries = std::fs::read_dir(sys).map_err(|source| LoopError::Io {
         path: sys.to_path_buf(),
@@ -634,23 +680,41 @@ pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
             continue;
         }
         let path = ensure_node(number)?;
-        match status(&path) {
-            Ok(info) => out.push(info),
-            // Unbound or removed since the scan: not an error.
-            Err(LoopError::NotBound(_)) => {}
+        let opened = match open_loop(&path, false) {
+            Ok(f) => f,
+            // Removed since the scan: not an error.
             Err(LoopError::Open { source, .. })
-                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) => {}
+                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
+            {
+                continue
+            }
+            Err(e) => return Err(e),
+        };
+        match raw_status_of(&opened, &path) {
+            Ok(raw) => out.push(raw),
+            // Unbound since the scan: not an error.
+            Err(LoopError::NotBound(_)) => {}
             Err(e) => return Err(e),
         }
     }
-    // A gate with a device stacked on it is listed as that device.
-    let covered: Vec<PathBuf> = out
-        .iter()
-        .filter_map(|i| i.gate.clone().filter(|g| *g != i.device))
-        .collect();
-    out.retain(|i| !covered.contains(&i.device));
-    out.sort_by_key(|i| i.number);
     Ok(out)
+}
+
+/// The bound devices stacked on `gate` (whose backing file is that block
+/// device), read from each device's own status: found even where a device
+/// cannot be seen through its gate.
+pub fn stacked_on(gate: &Path) -> Result<Vec<PathBuf>, LoopError> {
+    let rdev = std::fs::metadata(gate)
+        .map_err(|source| LoopError::Open {
+            path: gate.to_path_buf(),
+            source,
+        })?
+        .rdev();
+    Ok(raw_list()?
+        .into_iter()
+        .filter(|(_, r)| *r == rdev)
+        .map(|(info, _)| info.device)
+        .collect())
 }
 
 /// Loop devices whose backing file is inode `ino` on device `dev` (values as

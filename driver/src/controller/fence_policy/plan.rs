@@ -165,6 +165,11 @@ pub(in crate::controller) fn tag_node<'a>(
     id: &VolumeId,
     gen: u64,
 ) -> Option<&'a str> {
+    // A gate carries its device's tag behind a prefix: it is that node's
+    // (a gate is listed alone only while its attach is under way).
+    let tag = tag
+        .strip_prefix(crate::kernel::loop_gate::GATE_TAG_PREFIX)
+        .unwrap_or(tag);
     parse_tag_full(tag)
         .filter(|(v, g, _)| v == id && *g == gen)
         .map(|(_, _, n)| n)
