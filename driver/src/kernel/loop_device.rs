@@ -478,11 +478,13 @@ pub(crate) fn bind(
         }
     }
     let (dev_path, dev) = bound.ok_or(LoopError::NoFreeDevice(ATTACH_TRIES))?;
-    let info = status_of(&dev, &dev_path)?;
-    if opts.direct_io && !info.direct_io {
+    // The device's own mode (a device on a gate reports its gate's otherwise).
+    let (raw, rdevice) = raw_status_of(&dev, &dev_path)?;
+    if opts.direct_io && !raw.direct_io {
         tracing::warn!(device = %dev_path.display(), file = %file.display(), "direct I/O not in effect; the backing file is used with buffered I/O");
     }
-    tracing::info!(device = %dev_path.display(), file = %file.display(), tag = %info.tag, read_only = info.read_only, direct_io = info.direct_io, "loop device attached");
+    tracing::info!(device = %dev_path.display(), file = %file.display(), tag = %raw.tag, read_only = raw.read_only, direct_io = raw.direct_io, "loop device attached");
+    let info = super::loop_gate::resolve(raw, rdevice)?;
     Ok((info, dev))
 }
 
