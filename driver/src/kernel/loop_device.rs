@@ -8,7 +8,7 @@
 //! and stable (include/uapi/linux/loop.h), so it is defined below.
 //!
 //! Rule kept by every function that changes a device (attach, detach,
-//! set_capacity, drain): the caller only passes devices this driver attached.
+//! set_capacity, remap, drain): the caller only passes devices this driver attached.
 //! `list`/`status`/`find_by_inode` only read.
 
 use std::fs::{File, OpenOptions};
@@ -637,12 +637,20 @@ pub(crate) fn clear_unused(device: &Path) -> Result<(), LoopError> {
 /// stacked on a gate is reported through it (see `loop_gate::resolve`) and
 /// the gate itself is then left out.
 pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
+    let raws = raw_list()?;
     let mut out = Vec::new();
-    for (info, rdevice) in raw_list()? {
-        match super::loop_gate::resolve(info, rdevice) {
-            Ok(info) => out.push(info),
-            Err(LoopError::NotBound(_)) => {}
-            Err(e) => return Err(e),
+    for raw in &raws {
+        // The gate is normally in the same scan: no second look at it.
+        let under = is_loop_rdev(raw.backing_rdev)
+            .then(|| raws.iter().find(|g| g.rdev == raw.backing_rdev))
+            .flatten();
+        match under {
+            Some(g) => out.push(super::loop_gate::through(raw.info.clone(), &g.info)),
+            None => match super::loop_gate::resolve(raw.info.clone(), raw.backing_rdev) {
+                Ok(info) => out.push(info),
+                Err(LoopError::NotBound(_)) => {}
+                Err(e) => return Err(e),
+            },
         }
     }
     // A gate with a device stacked on it is listed as that device.
@@ -655,9 +663,17 @@ pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
     Ok(out)
 }
 
-/// Every bound loop device as the kernel reports it (not through a gate),
-/// with its backing file's device number.
-fn raw_list() -> Result<Vec<(LoopInfo, u64)>, LoopError> {
+/// A bound loop device as the kernel reports it, not through a gate.
+struct RawDevice {
+    info: LoopInfo,
+    /// Its own block device number.
+    rdev: u64,
+    /// Its backing file's device number (0 for a regular file).
+    backing_rdev: u64,
+}
+
+/// Every bound loop device as the kernel reports it (not through a gate).
+fn raw_list() -> Result<Vec<RawDevice>, LoopError> {
     let sys = Path::new("/sys/block");
     let entries = std::fs::read_dir(sys).map_err(|source| LoopError::Io {
         path: sys.to_path_buf(),
@@ -692,8 +708,19 @@ fn raw_list() -> Result<Vec<(LoopInfo, u64)>, LoopError> {
             }
             Err(e) => return Err(e),
         };
+        let rdev = opened
+            .metadata()
+            .map_err(|source| LoopError::Io {
+                path: path.clone(),
+                source,
+            })?
+            .rdev();
         match raw_status_of(&opened, &path) {
-            Ok(raw) => out.push(raw),
+            Ok((info, backing_rdev)) => out.push(RawDevice {
+                info,
+                rdev,
+                backing_rdev,
+            }),
             // Unbound since the scan: not an error.
             Err(LoopError::NotBound(_)) => {}
             Err(e) => return Err(e),
@@ -714,8 +741,8 @@ pub fn stacked_on(gate: &Path) -> Result<Vec<PathBuf>, LoopError> {
         .rdev();
     Ok(raw_list()?
         .into_iter()
-        .filter(|(_, r)| *r == rdev)
-        .map(|(info, _)| info.device)
+        .filter(|d| d.backing_rdev == rdev)
+        .map(|d| d.info.device)
         .collect())
 }
 
@@ -826,9 +853,7 @@ impl HeldDevice {
         set_window(&self.file, &self.path, info, offset, size_limit)?;
         self.status()
     }
-}
 
-impl HeldDevice {
     /// A barrier on the held device: LOOP_SET_STATUS64 with its own window
     /// unchanged, which returns once every request in its queue completed
     /// (see [`remap`]). Also for a device stacked on a gate, whose own window
@@ -856,10 +881,13 @@ impl HeldDevice {
     }
 }
 
-/// A barrier on one device: see [`remap`] (same window).
+/// A barrier on one device ([`HeldDevice::barrier`]): its own window
+/// unchanged, also for a device stacked on a gate.
 pub fn drain(device: &Path) -> Result<(), LoopError> {
     let now = status(device)?;
-    remap(device, now.offset, now.size_limit).map(drop)
+    HeldDevice::open(device, (now.backing_dev, now.backing_ino))?
+        .barrier()
+        .map(drop)
 }
 
 /// Test helpers shared with the mounts and filesystem tests.

@@ -124,21 +124,27 @@ pub(crate) fn resolve(info: LoopInfo, rdevice: u64) -> Result<LoopInfo, LoopErro
         Err(LoopError::NotBound(_)) => return Ok(info),
         Err(e) => return Err(e),
     };
-    if !is_gate_tag(&gate.tag) {
-        // Someone's loop device over another loop device: not a gate of ours.
-        return Ok(info);
+    Ok(through(info, &gate))
+}
+
+/// A device stacked on the loop device `under` (both as the kernel reports
+/// them), seen through it when it is a gate; as it is otherwise (someone's
+/// loop device over another loop device).
+pub(crate) fn through(info: LoopInfo, under: &LoopInfo) -> LoopInfo {
+    if !is_gate_tag(&under.tag) {
+        return info;
     }
-    Ok(LoopInfo {
-        backing_dev: gate.backing_dev,
-        backing_ino: gate.backing_ino,
-        read_only: info.read_only || gate.read_only,
-        direct_io: gate.direct_io,
-        size_bytes: info.size_bytes.min(gate.size_bytes),
-        offset: gate.offset,
-        size_limit: gate.size_limit,
-        gate: Some(gate.device),
+    LoopInfo {
+        backing_dev: under.backing_dev,
+        backing_ino: under.backing_ino,
+        read_only: info.read_only || under.read_only,
+        direct_io: under.direct_io,
+        size_bytes: info.size_bytes.min(under.size_bytes),
+        offset: under.offset,
+        size_limit: under.size_limit,
+        gate: Some(under.device.clone()),
         ..info
-    })
+    }
 }
 
 #[cfg(test)]
