@@ -720,7 +720,7 @@ fn clean_probe_leftovers(dir: &Path) {
         .filter_map(|e| files::dev_ino(&e.path()).ok())
         .collect();
     for lo in loop_device::list().unwrap_or_default() {
-        let tag = lo.tag.trim_start_matches(loop_gate::GATE_TAG_PREFIX);
+        let tag = lo.tag.trim_start_matches(loop_device::GATE_TAG_PREFIX);
         if tag.starts_with(PROBE_PREFIX) && inodes.contains(&(lo.backing_dev, lo.backing_ino)) {
             let _ = loop_device::detach(&lo.device);
         }

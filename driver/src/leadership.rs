@@ -36,7 +36,7 @@ use tonic::{Request, Response, Status};
 use crate::config::Config;
 use crate::controller::Controller;
 use crate::identity::IdentityService;
-use crate::server::{bind, ServeError};
+use crate::socket::{bind, ServeError};
 
 /// The exit code of a leader that lost its Lease.
 pub const LOST_LEADERSHIP_EXIT: i32 = 3;

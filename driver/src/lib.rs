@@ -24,4 +24,5 @@ pub mod node;
 pub mod paths;
 pub mod rpc;
 pub mod server;
+pub mod socket;
 pub mod state_id;

@@ -3,8 +3,6 @@
 //! never unmounted on exit: pods keep their data while the plugin restarts.
 
 use std::future::Future;
-use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,51 +10,14 @@ use fencecsi_proto::v1::controller_server::ControllerServer;
 use fencecsi_proto::v1::group_controller_server::GroupControllerServer;
 use fencecsi_proto::v1::identity_server::IdentityServer;
 use fencecsi_proto::v1::node_server::NodeServer;
-use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Config;
 use crate::controller::{Controller, ControllerService, GroupControllerService};
 use crate::identity::IdentityService;
 use crate::node::{Node, NodeService};
-
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-}
-
-/// Binds the socket: removes a stale socket left by a crash (never a regular
-/// file or directory someone else put there) and sets its mode to 0660.
-pub fn bind(path: &Path) -> Result<UnixListener, ServeError> {
-    use std::os::unix::fs::FileTypeExt;
-    let io = |what: String| move |source| ServeError::Io { what, source };
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(io(format!("creating {}", parent.display())))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
-            .map_err(io(format!("removing stale socket {}", path.display())))?,
-        Ok(_) => {
-            return Err(ServeError::Config(format!(
-                "{} exists and is not a socket; refusing to replace it",
-                path.display()
-            )))
-        }
-        Err(_) => {}
-    }
-    let listener = UnixListener::bind(path).map_err(io(format!("binding {}", path.display())))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(io(format!("chmod {}", path.display())))?;
-    Ok(listener)
-}
+use crate::socket::bind;
+use crate::socket::ServeError;
 
 /// Runs the plugin until `shutdown` resolves.
 pub async fn serve(

@@ -484,7 +484,7 @@ pub(crate) fn bind(
         tracing::warn!(device = %dev_path.display(), file = %file.display(), "direct I/O not in effect; the backing file is used with buffered I/O");
     }
     tracing::info!(device = %dev_path.display(), file = %file.display(), tag = %raw.tag, read_only = raw.read_only, direct_io = raw.direct_io, "loop device attached");
-    let info = super::loop_gate::resolve(raw, rdevice)?;
+    let info = resolve(raw, rdevice)?;
     Ok((info, dev))
 }
 
@@ -554,7 +554,7 @@ pub fn open_raw_status(device: &Path) -> Result<LoopInfo, LoopError> {
 
 fn status_of(dev: &File, device: &Path) -> Result<LoopInfo, LoopError> {
     let (info, rdevice) = raw_status_of(dev, device)?;
-    super::loop_gate::resolve(info, rdevice)
+    resolve(info, rdevice)
 }
 
 /// What the kernel reports for the device itself, not resolved through a
@@ -633,8 +633,72 @@ pub(crate) fn clear_unused(device: &Path) -> Result<(), LoopError> {
     }
 }
 
+// Devices stacked on a gate (see `loop_gate`): the tag format, and how such
+// a device is reported (through its gate, as one device per attachment).
+
+/// Tag prefix of a gate; the rest is the tag of the device stacked on it.
+pub const GATE_TAG_PREFIX: &str = "gate:";
+/// The gate's tag for a device tagged `tag` (cut to the kernel's limit).
+pub fn gate_tag(tag: &str) -> String {
+    let mut t = format!("{GATE_TAG_PREFIX}{tag}");
+    while t.len() > MAX_TAG_LEN {
+        t.pop();
+    }
+    t
+}
+
+pub fn is_gate_tag(tag: &str) -> bool {
+    tag.starts_with(GATE_TAG_PREFIX)
+}
+
+/// A device as the kernel reports it (`info`, its backing file's device
+/// number `rdevice`), seen through its gate when it is stacked on one.
+pub(crate) fn resolve(info: LoopInfo, rdevice: u64) -> Result<LoopInfo, LoopError> {
+    if is_gate_tag(&info.tag) {
+        let device = info.device.clone();
+        return Ok(LoopInfo {
+            gate: Some(device),
+            ..info
+        });
+    }
+    if !is_loop_rdev(rdevice) {
+        return Ok(info);
+    }
+    // Gone: the device above holds its gate open, so it is being released
+    // itself; report it as is. Any other failure to look is an error.
+    let Some((file, path)) = open_by_rdev(rdevice)? else {
+        return Ok(info);
+    };
+    let (gate, _) = match raw_status_of(&file, &path) {
+        Ok(g) => g,
+        Err(LoopError::NotBound(_)) => return Ok(info),
+        Err(e) => return Err(e),
+    };
+    Ok(through(info, &gate))
+}
+
+/// A device stacked on the loop device `under` (both as the kernel reports
+/// them), seen through it when it is a gate; as it is otherwise (someone's
+/// loop device over another loop device).
+pub(crate) fn through(info: LoopInfo, under: &LoopInfo) -> LoopInfo {
+    if !is_gate_tag(&under.tag) {
+        return info;
+    }
+    LoopInfo {
+        backing_dev: under.backing_dev,
+        backing_ino: under.backing_ino,
+        read_only: info.read_only || under.read_only,
+        direct_io: under.direct_io,
+        size_bytes: info.size_bytes.min(under.size_bytes),
+        offset: under.offset,
+        size_limit: under.size_limit,
+        gate: Some(under.device.clone()),
+        ..info
+    }
+}
+
 /// Every bound loop device on the machine, sorted by number; a device
-/// stacked on a gate is reported through it (see `loop_gate::resolve`) and
+/// stacked on a gate is reported through it (see [`resolve`]) and
 /// the gate itself is then left out.
 pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
     let raws = raw_list()?;
@@ -645,8 +709,8 @@ pub fn list() -> Result<Vec<LoopInfo>, LoopError> {
             .then(|| raws.iter().find(|g| g.rdev == raw.backing_rdev))
             .flatten();
         match under {
-            Some(g) => out.push(super::loop_gate::through(raw.info.clone(), &g.info)),
-            None => match super::loop_gate::resolve(raw.info.clone(), raw.backing_rdev) {
+            Some(g) => out.push(through(raw.info.clone(), &g.info)),
+            None => match resolve(raw.info.clone(), raw.backing_rdev) {
                 Ok(info) => out.push(info),
                 Err(LoopError::NotBound(_)) => {}
                 Err(e) => return Err(e),

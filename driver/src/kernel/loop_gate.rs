@@ -31,39 +31,22 @@
 //! The gate carries the tag `gate:<tag of the device above>` and the
 //! autoclear flag: it is unbound when the device above lets go of it (or
 //! when an attach that made it dies before stacking a device on it).
-//! [`resolve`] makes a stacked device report the gate's backing file,
+//! `loop_device::list` and `status` make a stacked device report the gate's backing file,
 //! window and I/O mode, so the rest of the driver sees one device per
 //! attachment, as before gates.
 
 use std::path::Path;
 
-use super::loop_device::{
-    self, bind, is_loop_rdev, open_by_rdev, raw_status_of, AttachOptions, LoopError, LoopInfo,
-};
+use super::loop_device::{self, bind, gate_tag, AttachOptions, LoopError, LoopInfo};
 
-/// Tag prefix of a gate; the rest is the tag of the device stacked on it.
-pub const GATE_TAG_PREFIX: &str = "gate:";
 /// `lo_sizelimit` of a shut gate: one byte, which the loop driver rounds
 /// down to 0 sectors. 0 itself would mean "up to the end of the file".
 pub const SHUT_LIMIT: u64 = 1;
 
-/// The gate's tag for a device tagged `tag` (cut to the kernel's limit).
-pub fn gate_tag(tag: &str) -> String {
-    let mut t = format!("{GATE_TAG_PREFIX}{tag}");
-    while t.len() > loop_device::MAX_TAG_LEN {
-        t.pop();
-    }
-    t
-}
-
-pub fn is_gate_tag(tag: &str) -> bool {
-    tag.starts_with(GATE_TAG_PREFIX)
-}
-
 /// Attaches `file` through a gate: a gate over the file with `opts`'
 /// window, mode and read-only flag, and a device stacked on it, tagged
 /// `opts.tag`, using direct I/O on the gate. Returns the device above, as
-/// [`resolve`] reports it. Refuses (and unbinds both) when the kernel will
+/// `loop_device::status` reports it. Refuses (and unbinds both) when the kernel will
 /// not let the device above use direct I/O: the fence's argument needs it.
 pub fn attach_gated(file: &Path, opts: &AttachOptions) -> Result<LoopInfo, LoopError> {
     let gate_opts = AttachOptions {
@@ -99,52 +82,6 @@ pub fn attach_gated(file: &Path, opts: &AttachOptions) -> Result<LoopInfo, LoopE
         }
     }
     checked
-}
-
-/// A device as the kernel reports it (`info`, its backing file's device
-/// number `rdevice`), seen through its gate when it is stacked on one.
-pub(crate) fn resolve(info: LoopInfo, rdevice: u64) -> Result<LoopInfo, LoopError> {
-    if is_gate_tag(&info.tag) {
-        let device = info.device.clone();
-        return Ok(LoopInfo {
-            gate: Some(device),
-            ..info
-        });
-    }
-    if !is_loop_rdev(rdevice) {
-        return Ok(info);
-    }
-    // Gone: the device above holds its gate open, so it is being released
-    // itself; report it as is. Any other failure to look is an error.
-    let Some((file, path)) = open_by_rdev(rdevice)? else {
-        return Ok(info);
-    };
-    let (gate, _) = match raw_status_of(&file, &path) {
-        Ok(g) => g,
-        Err(LoopError::NotBound(_)) => return Ok(info),
-        Err(e) => return Err(e),
-    };
-    Ok(through(info, &gate))
-}
-
-/// A device stacked on the loop device `under` (both as the kernel reports
-/// them), seen through it when it is a gate; as it is otherwise (someone's
-/// loop device over another loop device).
-pub(crate) fn through(info: LoopInfo, under: &LoopInfo) -> LoopInfo {
-    if !is_gate_tag(&under.tag) {
-        return info;
-    }
-    LoopInfo {
-        backing_dev: under.backing_dev,
-        backing_ino: under.backing_ino,
-        read_only: info.read_only || under.read_only,
-        direct_io: under.direct_io,
-        size_bytes: info.size_bytes.min(under.size_bytes),
-        offset: under.offset,
-        size_limit: under.size_limit,
-        gate: Some(under.device.clone()),
-        ..info
-    }
 }
 
 #[cfg(test)]

@@ -168,7 +168,7 @@ pub(in crate::controller) fn tag_node<'a>(
     // A gate carries its device's tag behind a prefix: it is that node's
     // (a gate is listed alone only while its attach is under way).
     let tag = tag
-        .strip_prefix(crate::kernel::loop_gate::GATE_TAG_PREFIX)
+        .strip_prefix(crate::kernel::loop_device::GATE_TAG_PREFIX)
         .unwrap_or(tag);
     parse_tag_full(tag)
         .filter(|(v, g, _)| v == id && *g == gen)
