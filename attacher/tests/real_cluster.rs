@@ -35,8 +35,8 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSINode, VolumeAttachment}
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use fencecsi_cluster::{well_known, Cluster, DeleteOptions, WatchEvent, WatchParams};
 use fencecsi_driver::config::Mode;
-use fencecsi_driver::controller::CTX_GENERATION;
 use fencecsi_driver::kernel::files::is_immutable;
+use fencecsi_driver::terms::CTX_GENERATION;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::real_cluster::{
     kubeconfig_or_skip, name_of, resume_failure, Recorder, RunCtx, Sweep, RUN_LABEL,

@@ -347,7 +347,7 @@ impl Ctx {
             .into_iter()
             .collect();
         let generation: u64 = ctx
-            .get(fencecsi_driver::controller::CTX_GENERATION)
+            .get(fencecsi_driver::terms::CTX_GENERATION)
             .and_then(|g| g.parse().ok())
             .unwrap_or(0);
         let cap = mount_cap(

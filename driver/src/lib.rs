@@ -26,3 +26,4 @@ pub mod rpc;
 pub mod server;
 pub mod socket;
 pub mod state_id;
+pub mod terms;

@@ -173,7 +173,7 @@ impl FenceMetrics {
 /// The `fencecsi_driver_loop_devices` gauge, read from the kernel at every scrape.
 #[derive(Debug)]
 struct LoopDevices {
-    /// The 8-hex-digit node part of our loop tags ([`crate::node::node_tag`]).
+    /// The 8-hex-digit node part of our loop tags ([`crate::terms::node_tag`]).
     node_tag: String,
 }
 
@@ -183,7 +183,7 @@ impl LoopDevices {
         let mut counts = (0, 0);
         for lo in crate::kernel::loop_device::list()? {
             let ours =
-                crate::node::parse_tag_full(&lo.tag).is_some_and(|(_, _, n)| n == self.node_tag);
+                crate::terms::parse_tag_full(&lo.tag).is_some_and(|(_, _, n)| n == self.node_tag);
             if !ours {
                 continue;
             }
@@ -271,7 +271,7 @@ impl Metrics {
         }
         if let Some(n) = node {
             registry.register_collector(Box::new(LoopDevices {
-                node_tag: crate::node::node_tag(&n.node_id),
+                node_tag: crate::terms::node_tag(&n.node_id),
             }));
         }
         Metrics {

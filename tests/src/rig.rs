@@ -54,7 +54,7 @@ pub struct Placement {
 impl Placement {
     /// The generation this placement was published on.
     pub fn generation(&self) -> u64 {
-        self.publish_context[fencecsi_driver::controller::CTX_GENERATION]
+        self.publish_context[fencecsi_driver::terms::CTX_GENERATION]
             .parse()
             .unwrap()
     }

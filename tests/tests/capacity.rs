@@ -219,7 +219,7 @@ async fn get_capacity_is_honest_and_volumes_take_their_size() {
         .unwrap();
     let here = get_capacity_in(c, &ours).await.available_capacity;
     assert_near(here, a2, "in the nodes' topology");
-    let foreign = get_capacity_in(c, &fencecsi_driver::controller::topology_of("another")).await;
+    let foreign = get_capacity_in(c, &fencecsi_driver::terms::topology_of("another")).await;
     assert_eq!(foreign.available_capacity, 0);
 
     rig.detach_and_delete(&p).await.unwrap();

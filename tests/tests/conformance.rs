@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 const TRAILER: i64 = fencecsi_driver::fence::TRAILER_BYTES as i64;
 
 use fencecsi_driver::config::{Mode, DEFAULT_DRIVER_NAME};
-use fencecsi_driver::controller::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY, TOPOLOGY_KEY};
 use fencecsi_driver::kernel::mounts;
+use fencecsi_driver::terms::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY, TOPOLOGY_KEY};
 use fencecsi_proto::client::with_extensions;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::controller_service_capability::rpc::Type as CtlRpc;

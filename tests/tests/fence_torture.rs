@@ -320,9 +320,7 @@ async fn one_run(
     .unwrap_or_else(|e| panic!("{label}: publish to node B: {e:?}"))
     .into_inner()
     .publish_context;
-    let b_gen: u64 = ctx[fencecsi_driver::controller::CTX_GENERATION]
-        .parse()
-        .unwrap();
+    let b_gen: u64 = ctx[fencecsi_driver::terms::CTX_GENERATION].parse().unwrap();
     assert_eq!(
         region_hash(&generation_path(env, &vol.volume_id, b_gen), data),
         h0,

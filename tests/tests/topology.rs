@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use fencecsi_driver::config::{Config, Mode, DEFAULT_DRIVER_NAME};
-use fencecsi_driver::controller::{topology_of, TOPOLOGY_KEY};
+use fencecsi_driver::terms::{topology_of, TOPOLOGY_KEY};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::rig::{create_request, Placement, Rig};
 use fencecsi_tests::{csi, mount_cap, require_root, Access, Env, InProcess};

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use fencecsi_driver::failpoint;
 use fencecsi_driver::fence::{holders, is_fenced_device};
 use fencecsi_driver::kernel::loop_device::{self, AttachOptions, LoopInfo};
-use fencecsi_driver::node::loop_tag;
+use fencecsi_driver::terms::loop_tag;
 use fencecsi_tests::rig::{stage_request, Placement, Rig};
 use fencecsi_tests::{
     block_cap, csi, generation_path, mount_cap, region_hash, require_root, Access, Env,
@@ -612,9 +612,7 @@ async fn publish_to(
 }
 
 fn ctx_generation(ctx: &HashMap<String, String>) -> u64 {
-    ctx[fencecsi_driver::controller::CTX_GENERATION]
-        .parse()
-        .unwrap()
+    ctx[fencecsi_driver::terms::CTX_GENERATION].parse().unwrap()
 }
 
 /// Node A's stage of one volume, driven step by step (published to it with

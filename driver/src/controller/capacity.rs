@@ -3,10 +3,11 @@
 
 use fencecsi_proto::v1::*;
 
-use super::{Controller, TOPOLOGY_KEY};
+use super::Controller;
 use crate::backend::capacity::{self, Policy};
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
+use crate::terms::TOPOLOGY_KEY;
 
 /// The size of a volume whose capacity range asks for nothing.
 pub(super) const DEFAULT_SIZE: u64 = 1 << 30;

@@ -39,27 +39,10 @@ use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
 use crate::locks::InFlight;
 use crate::rpc::blocking;
+use crate::terms::topology_of;
 
 pub use group::GroupControllerService;
 pub use quiesce::FP_COPYING;
-
-/// Keys of the publish_context the node plugin reads.
-pub const CTX_GENERATION: &str = "loop.fencecsi.io/generation";
-pub const CTX_FS_TYPE: &str = "loop.fencecsi.io/fs-type";
-pub const CTX_READONLY: &str = "loop.fencecsi.io/readonly";
-/// Key of the volume_context carrying the filesystem.
-pub const VOL_CTX_FS_TYPE: &str = "fsType";
-/// Topology key: nodes and controller sharing a kernel and a state dir can share
-/// loop-image volumes. Its value is the state dir's (reboot-proof) topology value, see
-/// [`crate::state_id`]; the key keeps its old name because PVs carry it.
-pub const TOPOLOGY_KEY: &str = "topology.loop.fencecsi.io/kernel";
-
-/// The topology [`TOPOLOGY_KEY`] = `value`.
-pub fn topology_of(value: &str) -> Topology {
-    Topology {
-        segments: [(TOPOLOGY_KEY.to_string(), value.to_string())].into(),
-    }
-}
 
 pub struct Controller {
     /// Held until [`Controller::release_ownership`] and until every call that

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use fencecsi_proto::v1::*;
 
-use super::{Controller, CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
+use super::Controller;
 use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
 use crate::backend::DataRef;
 use crate::capability;
@@ -15,6 +15,7 @@ use crate::error::{CsiError, CsiResult};
 use crate::ids::{check_token, VolumeId};
 use crate::kernel::loop_device::LoopInfo;
 use crate::locks::PublishLock;
+use crate::terms::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
 
 use super::fence_policy::plan::{plan_unpublish, tag_node, Scope, UnpublishFacts};
 
@@ -357,15 +358,4 @@ impl Controller {
         self.persist(&v)?;
         Ok(ControllerUnpublishVolumeResponse {})
     }
-}
-
-/// Parses a generation number from a publish context.
-pub fn generation_from_context(
-    ctx: &std::collections::HashMap<String, String>,
-) -> Option<Result<u64, CsiError>> {
-    ctx.get(CTX_GENERATION).map(|g| {
-        g.parse::<u64>().map_err(|_| {
-            CsiError::InvalidArgument(format!("publish_context generation {g:?} is not a number"))
-        })
-    })
 }

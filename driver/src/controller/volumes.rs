@@ -4,11 +4,12 @@
 use fencecsi_proto::v1::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use fencecsi_proto::v1::*;
 
-use super::{record_error, Controller, VOL_CTX_FS_TYPE};
+use super::{record_error, Controller};
 use crate::backend::meta::{Source, VolumeMeta, VolumeState};
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
+use crate::terms::VOL_CTX_FS_TYPE;
 
 impl Controller {
     pub(crate) fn to_csi(&self, v: &VolumeMeta) -> Volume {

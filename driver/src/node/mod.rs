@@ -45,44 +45,7 @@ use crate::kernel::loop_device::{self, LoopInfo};
 use crate::locks::InFlight;
 use crate::paths::AllowedRoots;
 use crate::rpc::blocking;
-
-/// Loop devices this driver attaches carry
-/// `fcsi:<volume hex>:<generation hex>:<node>` as their file name, where
-/// `<node>` is 8 hex digits of sha256(node ID): at most 63 bytes, the
-/// kernel's limit. The tag tells cleanup which devices are ours at all
-/// (never kubelet's own block-volume lock device, say) and, since several
-/// node plugins may share one kernel (kind, the drill), which node's.
-const TAG_PREFIX: &str = "fcsi:";
-
-/// 8 hex digits naming a node inside loop tags.
-pub fn node_tag(node_id: &str) -> String {
-    use sha2::{Digest, Sha256};
-    hex::encode(&Sha256::digest(node_id.as_bytes())[..4])
-}
-
-pub fn loop_tag(vol: &VolumeId, gen: u64, node_id: &str) -> String {
-    let hex = vol.as_str().trim_start_matches("vol-");
-    format!("{TAG_PREFIX}{hex}:{gen:x}:{}", node_tag(node_id))
-}
-
-/// (volume, generation) of one of our loop devices, from its tag.
-pub fn parse_tag(tag: &str) -> Option<(VolumeId, u64)> {
-    parse_tag_full(tag).map(|(v, g, _)| (v, g))
-}
-
-/// (volume, generation, node tag) of one of our loop devices.
-pub fn parse_tag_full(tag: &str) -> Option<(VolumeId, u64, &str)> {
-    let rest = tag.strip_prefix(TAG_PREFIX)?;
-    let mut parts = rest.split(':');
-    let (hex, gen, node) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() || node.len() != 8 || !node.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    match VolumeId::parse(&format!("vol-{hex}")) {
-        Ok(Parsed::Ours(v)) => Some((v, u64::from_str_radix(gen, 16).ok()?, node)),
-        _ => None,
-    }
-}
+use crate::terms::{node_tag, parse_tag_full};
 
 pub struct Node {
     pub(crate) cfg: Config,
@@ -310,41 +273,7 @@ impl CsiNode for NodeService {
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.0.node_id.clone(),
             max_volumes_per_node: self.0.cfg.max_volumes_per_node.max(0),
-            accessible_topology: Some(crate::controller::topology_of(&self.0.guard.topology())),
+            accessible_topology: Some(crate::terms::topology_of(&self.0.guard.topology())),
         }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tags_round_trip_and_foreign_tags_are_ignored() {
-        let v = VolumeId::generate();
-        let tag = loop_tag(&v, 7, "node-a");
-        assert_eq!(parse_tag(&tag), Some((v.clone(), 7)));
-        assert_eq!(
-            parse_tag_full(&tag).map(|t| t.2.to_string()),
-            Some(node_tag("node-a"))
-        );
-        assert_ne!(node_tag("node-a"), node_tag("node-b"));
-        assert!(
-            loop_tag(&v, u64::MAX, "n").len() <= crate::kernel::loop_device::MAX_TAG_LEN,
-            "must fit lo_file_name"
-        );
-        assert_eq!(
-            parse_tag(&loop_tag(&v, u64::MAX, "n")),
-            Some((v.clone(), u64::MAX))
-        );
-        for other in [
-            "/var/lib/kubelet/plugins/x",
-            "fcsi:",
-            "fcsi:x:1:00000000",
-            "fcsi:../../etc:1:00000000",
-            "fencecsi:vol-1:1",
-        ] {
-            assert_eq!(parse_tag(other), None, "{other}");
-        }
     }
 }

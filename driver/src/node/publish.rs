@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 use fencecsi_proto::v1::*;
 
 use super::stage::{block_staging_file, rdev};
-use super::{ephemeral, loop_tag, remove_target, Node};
+use super::{ephemeral, remove_target, Node};
 use crate::capability;
-use crate::controller::CTX_READONLY;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
 use crate::kernel::loop_device::{self, AttachOptions};
 use crate::kernel::mounts::{self, PathState};
+use crate::terms::loop_tag;
+use crate::terms::CTX_READONLY;
 
 impl Node {
     /// NodePublishVolume: bind-mounts the staged volume at the pod's target. An ephemeral

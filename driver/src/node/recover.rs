@@ -43,12 +43,13 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{watch, Notify};
 
 use super::stage::rdev;
-use super::{node_tag, parse_tag_full, remove_target, Node};
+use super::{remove_target, Node};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::VolumeId;
 use crate::kernel::loop_device::{self, LoopError, LoopInfo};
 use crate::kernel::mounts;
 use crate::paths::AllowedRoots;
+use crate::terms::{node_tag, parse_tag_full};
 
 /// Error type of reporters.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -5,16 +5,17 @@ use std::path::{Path, PathBuf};
 
 use fencecsi_proto::v1::*;
 
-use super::{loop_tag, remove_target, Node};
+use super::{remove_target, Node};
 use crate::backend::meta::VolumeMeta;
 use crate::capability;
-use crate::controller::{publish::generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::VolumeId;
 use crate::kernel::filesystem::{self, FsKind};
 use crate::kernel::loop_device::{self, AttachOptions, LoopInfo};
 use crate::kernel::mounts::{self, PathState};
 use crate::locks::PublishLock;
+use crate::terms::loop_tag;
+use crate::terms::{generation_from_context, CTX_FS_TYPE, CTX_READONLY};
 
 /// (major, minor) of a device node.
 pub(crate) fn rdev(path: &Path) -> std::io::Result<(u32, u32)> {

@@ -12,7 +12,7 @@ use crate::error::{CsiError, CsiResult};
 use crate::fence::is_fenced_device;
 use crate::ids::VolumeId;
 use crate::kernel::loop_device::LoopInfo;
-use crate::node::node_tag;
+use crate::terms::node_tag;
 
 use plan::{tag_node, writable};
 

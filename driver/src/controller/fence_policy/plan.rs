@@ -12,7 +12,7 @@ use crate::backend::meta::VolumeMeta;
 use crate::fence::is_fenced_device;
 use crate::ids::VolumeId;
 use crate::kernel::loop_device::LoopInfo;
-use crate::node::{node_tag, parse_tag_full};
+use crate::terms::{node_tag, parse_tag_full};
 
 /// What the plan is made from.
 pub(in crate::controller) struct UnpublishFacts<'a> {
@@ -195,7 +195,7 @@ mod tests {
     use super::*;
     use crate::backend::meta::{Attachment, Generation};
     use crate::fence::WINDOW_BYTES;
-    use crate::node::loop_tag;
+    use crate::terms::loop_tag;
 
     const DATA: u64 = 64 << 20;
 

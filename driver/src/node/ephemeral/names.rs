@@ -119,7 +119,7 @@ mod tests {
         assert!(tag.len() <= crate::kernel::loop_device::MAX_TAG_LEN);
         assert_eq!(parse_tag(&tag), Some((key.as_str(), owner.as_str())));
         assert_eq!(
-            crate::node::parse_tag_full(&tag),
+            crate::terms::parse_tag_full(&tag),
             None,
             "never a persistent tag"
         );
