@@ -226,6 +226,13 @@ impl Collector for LoopDevices {
     }
 }
 
+/// What a controller hands the registry: the fence figures its fences write,
+/// and whether the start-up probe proved the fence.
+pub struct ControllerFigures<'a> {
+    pub fence: &'a FenceMetrics,
+    pub fence_available: bool,
+}
+
 /// The plugin's metrics; one registry per served plugin (tests run several in a process).
 #[derive(Debug)]
 pub struct Metrics {
@@ -236,11 +243,13 @@ pub struct Metrics {
 
 impl Metrics {
     /// Registers what the served modes have: the RPC histogram always; with a
-    /// controller its fence histogram and probe result; with a node its loop devices.
+    /// controller its fence histogram and probe result; with a node (its ID)
+    /// its loop devices. The services write their figures; nothing here reads
+    /// a service.
     pub fn new(
         driver_name: &str,
-        controller: Option<&crate::controller::Controller>,
-        node: Option<&crate::node::Node>,
+        controller: Option<ControllerFigures<'_>>,
+        node_id: Option<&str>,
     ) -> Self {
         let mut registry = Registry::with_prefix("fencecsi_driver");
         let operations: HistogramFamily<OperationLabels> =
@@ -254,24 +263,24 @@ impl Metrics {
             registry.register(
                 "fence_seconds",
                 "Time to make a write fence (every holder remapped to the fence window, the generation fsynced), by result",
-                c.fence_metrics.seconds.clone(),
+                c.fence.seconds.clone(),
             );
             registry.register(
                 "fence_late_writes",
                 "Fenced generations found, when garbage collection removed them, with data written past their data after the fence (a write reported done to the fenced node that is not in the data)",
-                c.fence_metrics.late_writes.clone(),
+                c.fence.late_writes.clone(),
             );
             let probe = Gauge::<i64>::default();
-            probe.set(i64::from(c.fence_available()));
+            probe.set(i64::from(c.fence_available));
             registry.register(
                 "fence_probe_ok",
                 "1 when the start-up probe proved the fence on the state dir's filesystem (the fence is offered), 0 when it did not",
                 probe,
             );
         }
-        if let Some(n) = node {
+        if let Some(node_id) = node_id {
             registry.register_collector(Box::new(LoopDevices {
-                node_tag: crate::terms::node_tag(&n.node_id),
+                node_tag: crate::terms::node_tag(node_id),
             }));
         }
         Metrics {

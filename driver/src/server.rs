@@ -92,8 +92,13 @@ pub async fn serve_with_metrics(
 
     let metrics = Arc::new(crate::metrics::Metrics::new(
         &cfg.driver_name,
-        controller.as_deref(),
-        node.as_deref(),
+        controller
+            .as_deref()
+            .map(|c| crate::metrics::ControllerFigures {
+                fence: &c.fence_metrics,
+                fence_available: c.fence_available(),
+            }),
+        node.as_deref().map(|n| n.node_id.as_str()),
     ));
     // Bound before the socket, so that a taken port fails the start instead of going
     // unnoticed; served until the gRPC server has stopped.

@@ -44,14 +44,6 @@ pub fn make_bridge(name: &str, net: &str, td: &Teardown) -> Result<Bridge> {
     })
 }
 
-/// Deletes a link the suite made (gone already when its namespace went: fine).
-pub fn delete_link(name: &str) {
-    let _ = Command::new("ip")
-        .args(["link", "del", name])
-        .stderr(std::process::Stdio::null())
-        .status();
-}
-
 /// `nsenter` into the network (and mount, for iptables' lock file) namespace of `holder`.
 pub fn in_node(holder: i32, prog: &str, args: &[&str]) -> Result<String> {
     run(Command::new("nsenter")

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::{cgroups, network, process, say};
+use crate::{cgroups, process, say};
 
 /// One thing the suite made.
 #[derive(Debug, Clone)]
@@ -175,7 +175,7 @@ fn undo(m: &Made) {
                 say(format!("teardown: cgroup {rel}: {e:#}"));
             }
         }
-        Made::Link { name } => network::delete_link(name),
+        Made::Link { name } => delete_link(name),
         Made::LoopDevicesOn { dev, what } => {
             if let Err(e) = detach_loop_devices_on(*dev) {
                 say(format!(
@@ -249,4 +249,12 @@ fn remove_tree(path: &std::path::Path) {
             }
         }
     }
+}
+
+/// Deletes a link the suite made (gone already when its namespace went: fine).
+fn delete_link(name: &str) {
+    let _ = std::process::Command::new("ip")
+        .args(["link", "del", name])
+        .stderr(std::process::Stdio::null())
+        .status();
 }

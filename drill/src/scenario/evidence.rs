@@ -3,27 +3,31 @@
 //! copy, so any byte node A's writers got into it after the fence shows up as a difference.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::observer::{Shared, VolObs};
-use crate::Progress;
+/// A fenced generation as it was when the observer saw it fenced.
+pub(super) struct FencedCopy {
+    /// The fenced generation's image.
+    pub(super) source: PathBuf,
+    /// Its data region, copied.
+    pub(super) copy: PathBuf,
+    /// Whether the generation carried the immutable flag.
+    pub(super) immutable: bool,
+}
 
-/// Copies the fenced generation of `v` into `evidence` and notes the copy (and whether the
-/// generation is immutable) in `v`; a failed copy is a problem of the run, not of the poll.
+/// Copies the data region of generation `generation` of volume `handle` into `evidence`.
 pub(super) async fn copy_fenced_generation(
     state_dir: &Path,
     evidence: &Path,
-    v: &mut VolObs,
-    shared: &Shared,
-    progress: &Progress,
-) -> anyhow::Result<()> {
-    // Evidence: the fenced generation as it is right now.
-    let src = state_dir
+    handle: &str,
+    generation: u64,
+) -> anyhow::Result<std::io::Result<FencedCopy>> {
+    let source = state_dir
         .join("volumes")
-        .join(&v.handle)
-        .join(format!("gen-{:06}.img", v.old_generation));
-    let dst = evidence.join(format!("{}-gen-{}.img", v.handle, v.old_generation));
-    let (s2, d2) = (src.clone(), dst.clone());
+        .join(handle)
+        .join(format!("gen-{generation:06}.img"));
+    let copy = evidence.join(format!("{handle}-gen-{generation}.img"));
+    let (s2, d2) = (source.clone(), copy.clone());
     let r = tokio::task::spawn_blocking(move || {
         std::fs::create_dir_all(d2.parent().unwrap())?;
         let imm = fencecsi_driver::kernel::files::is_immutable(&s2)?;
@@ -36,41 +40,36 @@ pub(super) async fn copy_fenced_generation(
         Ok::<_, std::io::Error>(imm)
     })
     .await?;
-    match r {
-        Ok(imm) => {
-            v.fenced_immutable = imm;
-            v.fenced_copy = Some(dst);
-            v.fenced_path = Some(src.clone());
-            progress.say(format!(
-                "observer: {} fenced: generation {} ({}) immutable={imm}, copied for comparison",
-                v.pod,
-                v.old_generation,
-                src.display()
-            ));
-        }
-        Err(e) => shared.lock().unwrap().problems.push(format!(
-            "copying the fenced generation {}: {e}",
-            src.display()
-        )),
-    }
-    Ok(())
+    Ok(r.map(|immutable| FencedCopy {
+        source,
+        copy,
+        immutable,
+    }))
+}
+
+/// One volume's evidence: its pod, its fenced generation and the copy made
+/// when it was seen fenced (either missing when the observer saw no fence).
+pub(super) struct Evidence<'a> {
+    pub(super) pod: &'a str,
+    pub(super) fenced: Option<&'a Path>,
+    pub(super) copy: Option<&'a Path>,
 }
 
 /// Compares each volume's fenced generation with its copy: bytes that differ, by pod.
 /// A volume without a copy, or a comparison that fails, is a failure of the run.
 pub(super) async fn compare_fenced(
-    vols: &[VolObs],
+    vols: &[Evidence<'_>],
     failures: &mut Vec<String>,
 ) -> anyhow::Result<HashMap<String, u64>> {
     let mut fenced_diff: HashMap<String, u64> = HashMap::new();
     for v in vols {
-        match (&v.fenced_path, &v.fenced_copy) {
+        match (v.fenced, v.copy) {
             (Some(a), Some(b)) => {
-                let (a, b) = (a.clone(), b.clone());
+                let (a, b) = (a.to_path_buf(), b.to_path_buf());
                 let d = tokio::task::spawn_blocking(move || differing_bytes(&a, &b)).await?;
                 match d {
                     Ok(d) => {
-                        fenced_diff.insert(v.pod.clone(), d);
+                        fenced_diff.insert(v.pod.to_string(), d);
                     }
                     Err(e) => failures.push(format!("comparing fenced generation: {e}")),
                 }

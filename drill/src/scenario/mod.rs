@@ -158,7 +158,15 @@ async fn scenario(
         // Let A's writers run into the fence a little longer, then compare the fenced
         // generation with the copy taken when the fence was observed.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let fenced_diff = evidence::compare_fenced(&vols, &mut failures).await?;
+        let evidence: Vec<evidence::Evidence> = vols
+            .iter()
+            .map(|v| evidence::Evidence {
+                pod: &v.pod,
+                fenced: v.fenced_path.as_deref(),
+                copy: v.fenced_copy.as_deref(),
+            })
+            .collect();
+        let fenced_diff = evidence::compare_fenced(&evidence, &mut failures).await?;
         if opts.unsafe_pod {
             unsafe_result = Some(failover::unsafe_pod(&cluster, &node_a, opts).await?);
         }

@@ -253,8 +253,7 @@ async fn observe_once(
             })
         {
             v.t.insert(Step::Fenced, t);
-            super::evidence::copy_fenced_generation(state_dir, evidence, v, shared, progress)
-                .await?;
+            note_fenced_copy(state_dir, evidence, v, shared, progress).await?;
         }
         if !v.t.contains_key(&Step::AttachmentDeleted) && vas.get_opt(&v.va_a).await?.is_none() {
             v.t.insert(Step::AttachmentDeleted, t);
@@ -354,4 +353,37 @@ pub(super) async fn wait_step(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Copies the fenced generation of `v` for the comparison at the end and notes
+/// the copy in `v`; a failed copy is a problem of the run, not of the poll.
+async fn note_fenced_copy(
+    state_dir: &Path,
+    evidence: &Path,
+    v: &mut VolObs,
+    shared: &Shared,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let copied =
+        super::evidence::copy_fenced_generation(state_dir, evidence, &v.handle, v.old_generation)
+            .await?;
+    match copied {
+        Ok(c) => {
+            progress.say(format!(
+                "observer: {} fenced: generation {} ({}) immutable={}, copied for comparison",
+                v.pod,
+                v.old_generation,
+                c.source.display(),
+                c.immutable
+            ));
+            v.fenced_immutable = c.immutable;
+            v.fenced_copy = Some(c.copy);
+            v.fenced_path = Some(c.source);
+        }
+        Err(e) => shared.lock().unwrap().problems.push(format!(
+            "copying the fenced generation {} of {}: {e}",
+            v.old_generation, v.handle
+        )),
+    }
+    Ok(())
 }
