@@ -15,12 +15,12 @@ use fencecsi_tests::rig::fresh_driver_binary;
 
 const WORKSPACE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 
-/// The failpoint names in the driver's sources: the first argument of every
+/// The failpoint names in the driver's and the fence crate's sources: the first argument of every
 /// `failpoint::{hit, stall, pause, is_armed}` call, a string literal or a
 /// `const` of the same file.
 fn failpoint_names() -> Vec<String> {
     fn walk(dir: &Path, names: &mut Vec<String>) {
-        for entry in std::fs::read_dir(dir).expect("reading driver/src") {
+        for entry in std::fs::read_dir(dir).expect("reading a source directory") {
             let path = entry.expect("a directory entry").path();
             if path.is_dir() {
                 walk(&path, names);
@@ -51,7 +51,9 @@ fn failpoint_names() -> Vec<String> {
         }
     }
     let mut names = Vec::new();
-    walk(&Path::new(WORKSPACE).join("driver/src"), &mut names);
+    for dir in ["driver/src", "fence/src"] {
+        walk(&Path::new(WORKSPACE).join(dir), &mut names);
+    }
     names
 }
 
@@ -156,7 +158,7 @@ fn the_production_driver_binary_has_no_failpoints() {
             ]
             .iter()
             .all(|n| names.iter().any(|m| m == n)),
-        "the scan of driver/src found too few failpoints: {names:?}"
+        "the scan of driver/src and fence/src found too few failpoints: {names:?}"
     );
     let mut needles: Vec<&str> = names.iter().map(String::as_str).collect();
     needles.extend([failpoint::ENV, failpoint::STALLED_THREAD]);

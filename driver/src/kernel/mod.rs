@@ -1,14 +1,10 @@
-//! Thin wrappers over what the kernel does for the driver, each named for what it
-//! wraps: loop devices (`loop_device`; `loop_gate` stacks a node's device on a
-//! gate, the device the fence shuts), the mount table and mount/unmount
-//! (`mounts`), filesystems on a device (`filesystem`: probe, mkfs, grow, usage),
-//! files on the backing filesystem (`files`: sparse images, reflinks, the
-//! immutable flag, atomic writes) and advisory file locks with a bounded wait
-//! (`flock`). Policy (what to fence, when to lock) lives elsewhere.
+//! Thin wrappers over what the kernel does for the driver: the mount table
+//! and mount/unmount (`mounts`) and filesystems on a device (`filesystem`:
+//! probe, mkfs, grow, usage) here; loop devices, gates, files and bounded
+//! file locks from the fence crate (`fencecsi_fence::kernel`), re-exported
+//! under the same names. Policy (what to fence, when to lock) lives elsewhere.
 
-pub mod files;
+pub use fencecsi_fence::kernel::{files, flock, loop_device, loop_gate};
+
 pub mod filesystem;
-pub mod flock;
-pub mod loop_device;
-pub mod loop_gate;
 pub mod mounts;

@@ -29,28 +29,22 @@
 //! fence then goes on without it; a node waits at most [`CONTROLLER_LOCK_WAIT`]
 //! and answers ABORTED. See docs/lifecycle.md, "Locks".
 
-mod backing_lock;
 mod owner_lock;
 mod publish_lock;
 mod records_lock;
 
-pub use backing_lock::BackingLock;
+pub use fencecsi_fence::lock::{BackingLock, NODE_LOCK_WAIT};
 pub(crate) use owner_lock::OwnerLock;
 pub use publish_lock::PublishLock;
 pub(crate) use records_lock::RecordsLock;
 
-pub use crate::kernel::flock::flock_within;
+pub use fencecsi_fence::kernel::flock::flock_within;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::error::CsiError;
-
-/// How long the controller waits for a file lock a node plugin may hold
-/// before it decides the node is stuck. A node holds one only around an
-/// attach or a status read (milliseconds), so this is generous.
-pub const NODE_LOCK_WAIT: Duration = Duration::from_secs(2);
 
 /// How long a node plugin waits for a file lock the controller holds (the
 /// longest: a snapshot's copy, see `controller::quiesce`) before it answers

@@ -21,6 +21,8 @@ use std::time::Duration;
 use nix::errno::Errno;
 use serde::{Deserialize, Serialize};
 
+use crate::lock::{BackingLock, NODE_LOCK_WAIT};
+
 /// `LO_NAME_SIZE`: lo_file_name is 64 bytes, the kernel forces the last to NUL.
 pub const LO_NAME_SIZE: usize = 64;
 /// Longest tag that fits into lo_file_name.
@@ -91,7 +93,7 @@ mod ioc {
 }
 
 /// BLKGETSIZE64 on an open block device (shared with `filesystem`).
-pub(crate) fn blkgetsize64(file: &File) -> Result<u64, Errno> {
+pub fn blkgetsize64(file: &File) -> Result<u64, Errno> {
     let mut size: u64 = 0;
     unsafe { ioc::blkgetsize64(file.as_raw_fd(), &mut size) }?;
     Ok(size)
@@ -515,14 +517,36 @@ pub fn detach(device: &Path) -> Result<(), LoopError> {
 
 /// The image lock for a device's backing file; for a device stacked on a
 /// gate, the lock of the gate's file (the image), which the fence holds.
-fn image_lock_for(raw: LoopInfo64) -> Option<crate::locks::BackingLock> {
+fn image_lock_for(raw: LoopInfo64) -> Option<BackingLock> {
     let raw = if is_loop_rdev(raw.lo_rdevice) {
         let (gate, path) = open_by_rdev(raw.lo_rdevice).ok().flatten()?;
         get_status_raw(&gate, &path).ok()?
     } else {
         raw
     };
-    crate::locks::BackingLock::exclusive_for(raw.lo_number, raw.lo_device, raw.lo_inode)
+    backing_file_lock(raw.lo_number, raw.lo_device, raw.lo_inode)
+}
+
+/// Exclusive lock on the backing file of loop device `number`, if that
+/// file can still be reached at the path sysfs reports (checked by device
+/// and inode, so a renamed or replaced path is never locked by mistake) and
+/// the lock can be had within [`NODE_LOCK_WAIT`]. Without it a detach still
+/// goes on: at worst a remap running meanwhile drops its autoclear flag, and
+/// the device stays bound (fenced or idle) until released again.
+fn backing_file_lock(number: u32, dev: u64, ino: u64) -> Option<BackingLock> {
+    let raw = std::fs::read_to_string(sys_loop_dir(number).join("loop/backing_file")).ok()?;
+    let path = PathBuf::from(raw.trim_end_matches('\n'));
+    let meta = std::fs::metadata(&path).ok()?;
+    if meta.dev() != dev || meta.ino() != ino {
+        return None;
+    }
+    match BackingLock::on_path(&path, true, NODE_LOCK_WAIT) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, "detaching without the image lock");
+            None
+        }
+    }
 }
 
 /// Switches a bound device's direct I/O on or off (`LOOP_SET_DIRECT_IO`). The kernel
@@ -954,16 +978,18 @@ pub fn drain(device: &Path) -> Result<(), LoopError> {
         .map(drop)
 }
 
-/// Test helpers shared with the mounts and filesystem tests.
-#[cfg(test)]
-pub(crate) mod test_support {
+/// Test helpers shared with the driver's mounts and filesystem tests (the
+/// `test-support` feature, which only the driver's dev-dependency turns on).
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support {
     use super::*;
 
-    pub(crate) fn is_root() -> bool {
+    pub fn is_root() -> bool {
         nix::unistd::geteuid().is_root()
     }
 
     /// Skips (loudly) when not root: the tests need real kernel objects.
+    #[macro_export]
     macro_rules! require_root {
         () => {
             if !$crate::kernel::loop_device::test_support::is_root() {
@@ -972,10 +998,10 @@ pub(crate) mod test_support {
             }
         };
     }
-    pub(crate) use require_root;
+    pub use require_root;
 
     /// A unique tag per test so nothing is confused with other devices.
-    pub(crate) fn test_tag(name: &str) -> String {
+    pub fn test_tag(name: &str) -> String {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
@@ -985,7 +1011,7 @@ pub(crate) mod test_support {
     }
 
     /// A sparse image file of `size` bytes.
-    pub(crate) fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
+    pub fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
         let p = dir.join(name);
         let f = File::create(&p).unwrap();
         f.set_len(size).unwrap();
@@ -993,13 +1019,13 @@ pub(crate) mod test_support {
     }
 
     /// Detaches the device it holds when dropped, panic or not.
-    pub(crate) struct LoopGuard(pub LoopInfo);
+    pub struct LoopGuard(pub LoopInfo);
 
     impl LoopGuard {
-        pub(crate) fn attach(file: &Path, opts: &AttachOptions) -> Self {
+        pub fn attach(file: &Path, opts: &AttachOptions) -> Self {
             LoopGuard(attach(file, opts).expect("attach"))
         }
-        pub(crate) fn path(&self) -> &Path {
+        pub fn path(&self) -> &Path {
             &self.0.device
         }
     }
@@ -1021,7 +1047,7 @@ pub(crate) mod test_support {
 
     /// Waits until `device` no longer carries `info`'s binding (the kernel may
     /// defer the unbind while a parallel test has the device open briefly).
-    pub(crate) fn wait_unbound(info: &LoopInfo) -> bool {
+    pub fn wait_unbound(info: &LoopInfo) -> bool {
         for _ in 0..200 {
             match status(&info.device) {
                 Ok(i) if i.tag == info.tag && i.backing_ino == info.backing_ino => {
@@ -1043,6 +1069,17 @@ mod tests {
     use std::sync::Arc;
 
     const MIB: u64 = 1 << 20;
+
+    /// Lazily unmounts its path when dropped, panic or not.
+    struct Unmount(PathBuf);
+
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            if let Err(e) = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH) {
+                eprintln!("cleanup: umount {}: {e}", self.0.display());
+            }
+        }
+    }
 
     #[test]
     fn kernel_struct_sizes() {
@@ -1246,7 +1283,6 @@ mod tests {
     #[test]
     fn loopdev_backing_on_xfs_and_btrfs() {
         require_root!();
-        use crate::kernel::mounts::test_support::MountGuard;
         let dir = tempfile::tempdir().unwrap();
         for (kind, size, mkfs) in [
             ("xfs", 300 * MIB, "mkfs.xfs"),
@@ -1270,8 +1306,13 @@ mod tests {
             );
             let mnt = dir.path().join(format!("{kind}-mnt"));
             std::fs::create_dir(&mnt).unwrap();
-            crate::kernel::mounts::mount_device(og.path(), &mnt, kind, &[], false).unwrap();
-            let _mg = MountGuard(mnt.clone());
+            let mounted = std::process::Command::new("mount")
+                .args(["-t", kind])
+                .arg(og.path())
+                .arg(&mnt)
+                .status();
+            assert!(mounted.is_ok_and(|s| s.success()), "mounting {kind}");
+            let _mg = Unmount(mnt.clone());
             let inner = sparse_image(&mnt, "gen-1.img", 64 * MIB);
             let ig = LoopGuard::attach(
                 &inner,
@@ -1550,10 +1591,7 @@ mod tests {
             let (dev, file) = (g.0.device.clone(), img.clone());
             let (read_tx, read_rx) = std::sync::mpsc::channel();
             let remapper = std::thread::spawn(move || {
-                let _l = locked.then(|| {
-                    crate::locks::BackingLock::on_path(&file, true, crate::locks::NODE_LOCK_WAIT)
-                        .unwrap()
-                });
+                let _l = locked.then(|| BackingLock::on_path(&file, true, NODE_LOCK_WAIT).unwrap());
                 let f = open_loop(&dev, false).unwrap();
                 let raw = get_status_raw(&f, &dev).unwrap();
                 read_tx.send(()).unwrap();

@@ -309,7 +309,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         f.write_all(bytes)?;
         f.sync_all()?;
     }
-    crate::failpoint::hit("write-atomic:after-temp");
+    fencecsi_failpoint::hit("write-atomic:after-temp");
     if let Err(e) = std::fs::rename(&tmp, path) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);

@@ -1,0 +1,10 @@
+//! The kernel wrappers the fence is built on: loop devices (`loop_device`;
+//! `loop_gate` stacks a node's device on a gate, the device the fence
+//! shuts), files on the backing filesystem (`files`: sparse images,
+//! reflinks, the immutable flag, atomic writes) and advisory file locks with
+//! a bounded wait (`flock`).
+
+pub mod files;
+pub mod flock;
+pub mod loop_device;
+pub mod loop_gate;
