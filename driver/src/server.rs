@@ -69,27 +69,11 @@ pub async fn serve_with_metrics(
 ) -> Result<(), ServeError> {
     cfg.validate().map_err(ServeError::Config)?;
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
-    let io = |what: &str| {
-        let what = what.to_string();
-        move |source| ServeError::Io { what, source }
-    };
-
-    // With leader election, a standby serves only what its sidecars need until it leads.
-    let (lease, controller) = if cfg.mode.controller() && cfg.election.enabled {
-        let (lease, c) = crate::leadership::lead(&cfg, hooks.leader_cluster.take()).await?;
-        (Some(lease), Some(c))
-    } else if cfg.mode.controller() {
-        let c = Controller::open(cfg.clone()).map_err(io("opening controller state"))?;
-        (None, Some(c))
-    } else {
-        (None, None)
-    };
-    let node = if cfg.mode.node() {
-        Some(Node::open(cfg.clone()).map_err(io("starting node plugin"))?)
-    } else {
-        None
-    };
-
+    let Services {
+        lease,
+        controller,
+        node,
+    } = open_services(&cfg, &mut hooks).await?;
     let metrics = Arc::new(crate::metrics::Metrics::new(
         &cfg.driver_name,
         controller
@@ -102,20 +86,7 @@ pub async fn serve_with_metrics(
     ));
     // Bound before the socket, so that a taken port fails the start instead of going
     // unnoticed; served until the gRPC server has stopped.
-    let http = match &cfg.http_endpoint {
-        Some(endpoint) => {
-            let report =
-                crate::http::Report::new(metrics.clone(), node.as_ref().map(|n| n.guard.clone()));
-            let server = fencecsi_cluster::http::start(endpoint, report)
-                .await
-                .map_err(io(&format!("binding --http-endpoint {endpoint}")))?;
-            if let Some(tx) = metrics_hooks.http_endpoint {
-                let _ = tx.send(server.local_addr());
-            }
-            Some(server)
-        }
-        None => None,
-    };
+    let http = start_http(&cfg, &metrics, node.as_ref(), metrics_hooks).await?;
 
     let listener = bind(&socket)?;
     tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, "serving CSI");
@@ -128,49 +99,9 @@ pub async fn serve_with_metrics(
             gc_stopped,
         )
     });
-    let owner = controller.clone();
-    if cfg.report_node_clean && hooks.clean_reporter.is_none() && node.is_some() {
-        hooks.clean_reporter = Some(node_clean_reporter(&cfg).await?);
-    }
-    let recovery = match &node {
-        Some(n) if !cfg.recover_interval.is_zero() || hooks.recovery.is_some() => {
-            let reporter = hooks
-                .clean_reporter
-                .clone()
-                .unwrap_or_else(|| Arc::new(crate::node::recover::LogReporter));
-            let h = crate::node::recover::spawn(
-                n.clone(),
-                crate::node::recover::RecoveryOptions {
-                    interval: cfg.recover_interval,
-                    reporter,
-                },
-            );
-            if let Some(tx) = hooks.recovery {
-                let _ = tx.send(h.clone());
-            }
-            Some(h)
-        }
-        _ => None,
-    };
+    let recovery = start_recovery(&cfg, node.as_ref(), &mut hooks).await?;
     // With leader election, the controller that gives up the state dir if it stops leading.
-    let leader = controller.clone();
-    let router = tonic::transport::Server::builder()
-        .layer(crate::metrics::RpcMetricsLayer::new(metrics))
-        .add_service(IdentityServer::new(IdentityService::new(
-            &cfg,
-            node.as_ref().map(|n| n.guard.clone()),
-        )))
-        .add_optional_service(
-            controller
-                .clone()
-                .map(|c| GroupControllerServer::new(GroupControllerService(c))),
-        )
-        .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
-        .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))));
-    // Clients whose gRPC stack sends the socket path as `:authority` (grpcio, grpc-java)
-    // are refused by h2 unless they set a valid one: see docs/grpc-clients.md.
-    let incoming = UnixListenerStream::new(listener);
-    let leading = lease.zip(leader).map(|(h, c)| {
+    let leading = lease.zip(controller.clone()).map(|(h, c)| {
         crate::leadership::watch_leadership(
             h,
             cfg.election.retry_period,
@@ -178,8 +109,11 @@ pub async fn serve_with_metrics(
             hooks.on_lost_leadership.take(),
         )
     });
-    let result = router
-        .serve_with_incoming_shutdown(incoming, shutdown)
+    let owner = controller.clone();
+    // Clients whose gRPC stack sends the socket path as `:authority` (grpcio, grpc-java)
+    // are refused by h2 unless they set a valid one: see docs/grpc-clients.md.
+    let result = router(&cfg, metrics, controller, node)
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await;
     // Let a running collection finish (it writes metadata) before giving up the state dir.
     let _ = gc_stop.send(true);
@@ -201,6 +135,118 @@ pub async fn serve_with_metrics(
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped; socket removed, volumes left mounted");
     Ok(result?)
+}
+
+/// The services the configured modes serve.
+struct Services {
+    /// The controller's Lease while it leads (with leader election).
+    lease: Option<fencecsi_cluster::LeaderHandle>,
+    controller: Option<Arc<Controller>>,
+    node: Option<Arc<Node>>,
+}
+
+fn io_error(what: &str) -> impl FnOnce(std::io::Error) -> ServeError {
+    let what = what.to_string();
+    move |source| ServeError::Io { what, source }
+}
+
+async fn open_services(cfg: &Config, hooks: &mut ServeHooks) -> Result<Services, ServeError> {
+    // With leader election, a standby serves only what its sidecars need until it leads.
+    let (lease, controller) = if cfg.mode.controller() && cfg.election.enabled {
+        let (lease, c) = crate::leadership::lead(cfg, hooks.leader_cluster.take()).await?;
+        (Some(lease), Some(c))
+    } else if cfg.mode.controller() {
+        let c = Controller::open(cfg.clone()).map_err(io_error("opening controller state"))?;
+        (None, Some(c))
+    } else {
+        (None, None)
+    };
+    let node = if cfg.mode.node() {
+        Some(Node::open(cfg.clone()).map_err(io_error("starting node plugin"))?)
+    } else {
+        None
+    };
+    Ok(Services {
+        lease,
+        controller,
+        node,
+    })
+}
+
+/// The `--http-endpoint` server (metrics and health), if one is configured.
+async fn start_http(
+    cfg: &Config,
+    metrics: &Arc<crate::metrics::Metrics>,
+    node: Option<&Arc<Node>>,
+    metrics_hooks: MetricsHooks,
+) -> Result<Option<fencecsi_cluster::http::HttpServer>, ServeError> {
+    let Some(endpoint) = &cfg.http_endpoint else {
+        return Ok(None);
+    };
+    let report = crate::http::Report::new(metrics.clone(), node.map(|n| n.guard.clone()));
+    let server = fencecsi_cluster::http::start(endpoint, report)
+        .await
+        .map_err(io_error(&format!("binding --http-endpoint {endpoint}")))?;
+    if let Some(tx) = metrics_hooks.http_endpoint {
+        let _ = tx.send(server.local_addr());
+    }
+    Ok(Some(server))
+}
+
+/// The node's recovery loop, reporting the node clean where configured.
+async fn start_recovery(
+    cfg: &Config,
+    node: Option<&Arc<Node>>,
+    hooks: &mut ServeHooks,
+) -> Result<Option<crate::node::recover::RecoveryHandle>, ServeError> {
+    if cfg.report_node_clean && hooks.clean_reporter.is_none() && node.is_some() {
+        hooks.clean_reporter = Some(node_clean_reporter(cfg).await?);
+    }
+    let Some(n) = node else {
+        return Ok(None);
+    };
+    if cfg.recover_interval.is_zero() && hooks.recovery.is_none() {
+        return Ok(None);
+    }
+    let reporter = hooks
+        .clean_reporter
+        .clone()
+        .unwrap_or_else(|| Arc::new(crate::node::recover::LogReporter));
+    let h = crate::node::recover::spawn(
+        n.clone(),
+        crate::node::recover::RecoveryOptions {
+            interval: cfg.recover_interval,
+            reporter,
+        },
+    );
+    if let Some(tx) = hooks.recovery.take() {
+        let _ = tx.send(h.clone());
+    }
+    Ok(Some(h))
+}
+
+/// The gRPC services of the configured modes, behind the RPC metrics.
+fn router(
+    cfg: &Config,
+    metrics: Arc<crate::metrics::Metrics>,
+    controller: Option<Arc<Controller>>,
+    node: Option<Arc<Node>>,
+) -> tonic::transport::server::Router<
+    tower::layer::util::Stack<crate::metrics::RpcMetricsLayer, tower::layer::util::Identity>,
+> {
+    tonic::transport::Server::builder()
+        .layer(crate::metrics::RpcMetricsLayer::new(metrics))
+        .add_service(IdentityServer::new(IdentityService::new(
+            cfg,
+            node.as_ref().map(|n| n.guard.clone()),
+        )))
+        .add_optional_service(
+            controller
+                .clone()
+                .map(|c| GroupControllerServer::new(GroupControllerService(c))),
+        )
+        .add_optional_service(controller.map(|c| ControllerServer::new(ControllerService(c))))
+        .add_optional_service(node.map(|n| NodeServer::new(NodeService(n))))
 }
 
 fn spawn_gc(

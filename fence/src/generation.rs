@@ -130,100 +130,29 @@ fn fence(
     settle: Duration,
 ) -> Result<FenceReport, FenceError> {
     let start = Instant::now();
-    // The lock orders this fence with node-side attaches, but a node that
-    // hangs holding it must not hold up the fence: past the bound the fence
-    // goes on. The marker below is then made before the holder scan, and an
-    // attach checks the marker again after its device exists (see
-    // `Node::find_or_attach`), so it either is seen here or refuses itself.
-    let _lock = match BackingLock::on_path(path, true, NODE_LOCK_WAIT) {
-        Ok(l) => Some(l),
-        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
-            tracing::warn!(path = %path.display(), wait = ?NODE_LOCK_WAIT, "a node process holds the image lock (stuck in an attach?): fencing without it");
-            None
-        }
-        Err(e) => return Err(io_err(path)(e)),
-    };
+    let _lock = lock_image(path)?;
     if immutable {
-        let marker = marker_path(path);
-        std::fs::File::create(&marker)
-            .and_then(|f| f.sync_all())
-            .and_then(|_| files::fsync_parent(&marker))
-            .map_err(io_err(path))?;
+        make_marker(path)?;
     }
     // After the marker: a retried fence of an image that lacks its trailer
     // thaws the immutable flag for a moment to extend it, and a writable
     // open in that moment would have passed the flag but not the marker.
     ensure_trailer(path, data_bytes)?;
-    // Second layer: from here on no new writable open of the image succeeds
-    // where the flag can be set. New holders are kept out by the marker (an
-    // attach checks it under the shared lock this fence holds exclusively).
-    let mut flagged = false;
-    if immutable {
-        match files::set_immutable(path, true) {
-            Ok(()) => flagged = true,
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "immutable flag not set (second layer only; the remap is the fence)")
-            }
-        }
-    }
+    let flagged = immutable && flag_immutable(path);
     let mut fenced: Vec<LoopInfo> = Vec::new();
     let mut settled = Duration::ZERO;
     let mut stable = false;
     for _ in 0..SCAN_PASSES {
-        let found = holders(path)?;
-        let (gated, plain) = split_by_gate(&found, pick);
-        // The window starts past every byte any plain holder shows as data.
-        let end = plain
-            .iter()
-            .filter(|l| !is_fenced_device(l, data_bytes))
-            .map(|l| l.offset + l.size_bytes)
-            .fold(data_bytes, u64::max);
-        if end > data_bytes {
-            ensure_trailer(path, end)?;
-        }
-        let mut new = 0;
-        let mut results: Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)> = Vec::new();
-        for group in &gated {
-            // A gate shut and moved was drained before it moved: nothing to do.
-            if group.iter().all(|l| is_fenced_device(l, data_bytes)) {
-                results.extend(group.iter().map(|l| (l.device.clone(), Ok(l.clone()))));
-                continue;
-            }
-            new += 1;
-            results.extend(shut_gate(group, data_bytes, end));
-        }
-        let (done, new_plain, slept) = remap_pass(&plain, data_bytes, end, settle);
-        new += new_plain;
-        settled += slept;
-        results.extend(plain.iter().map(|l| l.device.clone()).zip(done));
-        for (device, result) in results {
-            let after = match result {
-                Ok(after) => after,
-                // Released meanwhile: nothing holds the data through it any more.
-                Err(loop_device::LoopError::NotBound(_)) => continue,
-                Err(e) => {
-                    return Err(FenceError::Remap {
-                        path: path.into(),
-                        device,
-                        message: e.to_string(),
-                    })
+        let pass = fence_pass(path, data_bytes, pick, settle)?;
+        settled += pass.settled;
+        for (device, result) in pass.results {
+            if let Some(after) = checked_fenced(path, data_bytes, device, result)? {
+                if !fenced.iter().any(|f| f.device == after.device) {
+                    fenced.push(after);
                 }
-            };
-            if !is_fenced_device(&after, data_bytes) {
-                return Err(FenceError::Remap {
-                    path: path.into(),
-                    device,
-                    message: format!(
-                        "the kernel reports offset {} and {} bytes after the remap",
-                        after.offset, after.size_bytes
-                    ),
-                });
-            }
-            if !fenced.iter().any(|f| f.device == after.device) {
-                fenced.push(after);
             }
         }
-        if new == 0 {
+        if pass.new == 0 {
             stable = true;
             break;
         }
@@ -244,6 +173,126 @@ fn fence(
         elapsed,
         settled,
     })
+}
+
+/// The image lock, or none past its bound. The lock orders this fence with
+/// node-side attaches, but a node that hangs holding it must not hold up the
+/// fence: past the bound the fence goes on. The marker is then made before
+/// the holder scan, and an attach checks the marker again after its device
+/// exists (see `Node::find_or_attach`), so it either is seen here or refuses
+/// itself.
+fn lock_image(path: &Path) -> Result<Option<BackingLock>, FenceError> {
+    match BackingLock::on_path(path, true, NODE_LOCK_WAIT) {
+        Ok(l) => Ok(Some(l)),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            tracing::warn!(path = %path.display(), wait = ?NODE_LOCK_WAIT, "a node process holds the image lock (stuck in an attach?): fencing without it");
+            Ok(None)
+        }
+        Err(e) => Err(io_err(path)(e)),
+    }
+}
+
+/// The whole-generation marker ([`marker_path`]), durable before any holder
+/// is touched.
+fn make_marker(path: &Path) -> Result<(), FenceError> {
+    let marker = marker_path(path);
+    std::fs::File::create(&marker)
+        .and_then(|f| f.sync_all())
+        .and_then(|_| files::fsync_parent(&marker))
+        .map_err(io_err(path))
+}
+
+/// Second layer: from here on no new writable open of the image succeeds
+/// where the flag can be set. New holders are kept out by the marker (an
+/// attach checks it under the shared lock the fence holds exclusively).
+/// Whether the flag is set.
+fn flag_immutable(path: &Path) -> bool {
+    match files::set_immutable(path, true) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "immutable flag not set (second layer only; the remap is the fence)");
+            false
+        }
+    }
+}
+
+/// One scan of the holders, each fenced by its kind.
+struct Pass {
+    /// Each holder's state after, by device.
+    results: Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)>,
+    /// Holders (gates, or plain devices) that were not fenced yet.
+    new: usize,
+    settled: Duration,
+}
+
+fn fence_pass(
+    path: &Path,
+    data_bytes: u64,
+    pick: &dyn Fn(&LoopInfo) -> bool,
+    settle: Duration,
+) -> Result<Pass, FenceError> {
+    let found = holders(path)?;
+    let (gated, plain) = split_by_gate(&found, pick);
+    // The window starts past every byte any plain holder shows as data.
+    let end = plain
+        .iter()
+        .filter(|l| !is_fenced_device(l, data_bytes))
+        .map(|l| l.offset + l.size_bytes)
+        .fold(data_bytes, u64::max);
+    if end > data_bytes {
+        ensure_trailer(path, end)?;
+    }
+    let mut new = 0;
+    let mut results = Vec::new();
+    for group in &gated {
+        // A gate shut and moved was drained before it moved: nothing to do.
+        if group.iter().all(|l| is_fenced_device(l, data_bytes)) {
+            results.extend(group.iter().map(|l| (l.device.clone(), Ok(l.clone()))));
+            continue;
+        }
+        new += 1;
+        results.extend(shut_gate(group, data_bytes, end));
+    }
+    let (done, new_plain, settled) = remap_pass(&plain, data_bytes, end, settle);
+    results.extend(plain.iter().map(|l| l.device.clone()).zip(done));
+    Ok(Pass {
+        results,
+        new: new + new_plain,
+        settled,
+    })
+}
+
+/// A holder's state after its fence, checked as the kernel reports it:
+/// None when it was released meanwhile (nothing holds the data through it
+/// any more), an error when it is not fenced.
+fn checked_fenced(
+    path: &Path,
+    data_bytes: u64,
+    device: PathBuf,
+    result: Result<LoopInfo, loop_device::LoopError>,
+) -> Result<Option<LoopInfo>, FenceError> {
+    let after = match result {
+        Ok(after) => after,
+        Err(loop_device::LoopError::NotBound(_)) => return Ok(None),
+        Err(e) => {
+            return Err(FenceError::Remap {
+                path: path.into(),
+                device,
+                message: e.to_string(),
+            })
+        }
+    };
+    if !is_fenced_device(&after, data_bytes) {
+        return Err(FenceError::Remap {
+            path: path.into(),
+            device,
+            message: format!(
+                "the kernel reports offset {} and {} bytes after the remap",
+                after.offset, after.size_bytes
+            ),
+        });
+    }
+    Ok(Some(after))
 }
 
 /// Makes every unfenced holder of `path` show exactly `[0, data_bytes)`

@@ -365,118 +365,24 @@ pub(crate) fn bind(
     autoclear: bool,
 ) -> Result<(LoopInfo, File), LoopError> {
     validate_tag(&opts.tag)?;
-    let backing = OpenOptions::new()
-        .read(true)
-        .write(!opts.read_only)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(file)
-        .map_err(|source| LoopError::Open {
-            path: file.to_path_buf(),
-            source,
-        })?;
+    let backing = open_cloexec(file, !opts.read_only)?;
     let ctl_path = Path::new("/dev/loop-control");
-    let ctl = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(ctl_path)
-        .map_err(|source| LoopError::Open {
-            path: ctl_path.to_path_buf(),
-            source,
-        })?;
-
-    let mut want_dio = opts.direct_io;
-    let mut use_configure = try_configure;
+    let ctl = open_cloexec(ctl_path, true)?;
+    let mut mode = BindMode {
+        configure: try_configure,
+        direct_io: opts.direct_io,
+    };
     let mut bound: Option<(PathBuf, File)> = None;
     for attempt in 0..ATTACH_TRIES {
-        let number = match unsafe { ioc::loop_ctl_get_free(ctl.as_raw_fd()) } {
-            Ok(n) => n as u32,
-            Err(e) => return Err(LoopError::ioctl("LOOP_CTL_GET_FREE", ctl_path, e)),
+        let Some((dev_path, dev)) = free_device(&ctl, ctl_path)? else {
+            continue;
         };
-        let dev_path = ensure_node(number)?;
-        // Write mode matters: the kernel makes the device read-only when the
-        // loop device itself was opened without write access.
-        let dev = match open_loop(&dev_path, true) {
-            Ok(f) => f,
-            // Removed by someone (LOOP_CTL_REMOVE) between get-free and open.
-            Err(LoopError::Open { source, .. })
-                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
-            {
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        let res = if use_configure {
-            let mut flags = 0;
-            if opts.read_only {
-                flags |= LO_FLAGS_READ_ONLY;
-            }
-            if want_dio {
-                flags |= LO_FLAGS_DIRECT_IO;
-            }
-            if autoclear {
-                flags |= LO_FLAGS_AUTOCLEAR;
-            }
-            configure(
-                &dev,
-                &backing,
-                flags,
-                &opts.tag,
-                opts.size_limit,
-                opts.logical_block_size,
-            )
-        } else {
-            legacy_bind(
-                &dev,
-                &dev_path,
-                &backing,
-                &opts.tag,
-                opts.size_limit,
-                autoclear,
-            )
-        };
-        match res {
+        match bind_device(&dev, &dev_path, &backing, opts, &mode, autoclear)? {
             Ok(()) => {
-                if !use_configure && want_dio {
-                    // The legacy path can only ask for direct I/O afterwards.
-                    if let Err(e) = unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), 1) } {
-                        tracing::warn!(device = %dev_path.display(), error = %e, "direct I/O refused; using buffered I/O");
-                    }
-                }
-                if !use_configure && opts.logical_block_size != 0 {
-                    let size = opts.logical_block_size as i32;
-                    if let Err(e) = unsafe { ioc::loop_set_block_size(dev.as_raw_fd(), size) } {
-                        let _ = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) };
-                        return Err(LoopError::ioctl("LOOP_SET_BLOCK_SIZE", &dev_path, e));
-                    }
-                }
                 bound = Some((dev_path, dev));
                 break;
             }
-            Err(Errno::EBUSY | Errno::EAGAIN) => {
-                // Another process bound this device after we were given it.
-                tracing::debug!(device = %dev_path.display(), attempt, "loop device taken concurrently; retrying");
-                std::thread::sleep(Duration::from_millis(2 + 3 * attempt as u64));
-            }
-            Err(Errno::EINVAL) if use_configure && want_dio => {
-                tracing::warn!(file = %file.display(), "LOOP_CONFIGURE refused direct I/O; retrying with buffered I/O");
-                want_dio = false;
-            }
-            Err(Errno::EINVAL | Errno::ENOTTY) if use_configure => {
-                tracing::info!(
-                    "LOOP_CONFIGURE unsupported; falling back to LOOP_SET_FD + LOOP_SET_STATUS64"
-                );
-                use_configure = false;
-                want_dio = opts.direct_io;
-            }
-            Err(e) => {
-                let op = if use_configure {
-                    "LOOP_CONFIGURE"
-                } else {
-                    "LOOP_SET_FD/LOOP_SET_STATUS64"
-                };
-                return Err(LoopError::ioctl(op, &dev_path, e));
-            }
+            Err(errno) => mode = mode.after(errno, opts, file, &dev_path, attempt)?,
         }
     }
     let (dev_path, dev) = bound.ok_or(LoopError::NoFreeDevice(ATTACH_TRIES))?;
@@ -488,6 +394,150 @@ pub(crate) fn bind(
     tracing::info!(device = %dev_path.display(), file = %file.display(), tag = %raw.tag, read_only = raw.read_only, direct_io = raw.direct_io, "loop device attached");
     let info = resolve(raw, rdevice)?;
     Ok((info, dev))
+}
+
+/// Opens `path` close-on-exec, read-only or read-write.
+fn open_cloexec(path: &Path, write: bool) -> Result<File, LoopError> {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|source| LoopError::Open {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// A free loop device, opened for writing (the kernel makes the device
+/// read-only when the loop device itself was opened without write access);
+/// None when someone removed it (LOOP_CTL_REMOVE) between get-free and open.
+fn free_device(ctl: &File, ctl_path: &Path) -> Result<Option<(PathBuf, File)>, LoopError> {
+    let number = match unsafe { ioc::loop_ctl_get_free(ctl.as_raw_fd()) } {
+        Ok(n) => n as u32,
+        Err(e) => return Err(LoopError::ioctl("LOOP_CTL_GET_FREE", ctl_path, e)),
+    };
+    let dev_path = ensure_node(number)?;
+    match open_loop(&dev_path, true) {
+        Ok(f) => Ok(Some((dev_path, f))),
+        Err(LoopError::Open { source, .. })
+            if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// How the next try binds: `LOOP_CONFIGURE` or the legacy pair, with or
+/// without direct I/O.
+#[derive(Clone, Copy)]
+struct BindMode {
+    configure: bool,
+    direct_io: bool,
+}
+
+impl BindMode {
+    /// The mode of the next try after the kernel refused this one with
+    /// `errno`, or the error when no other try can help.
+    fn after(
+        self,
+        errno: Errno,
+        opts: &AttachOptions,
+        file: &Path,
+        dev_path: &Path,
+        attempt: u32,
+    ) -> Result<BindMode, LoopError> {
+        match errno {
+            Errno::EBUSY | Errno::EAGAIN => {
+                // Another process bound this device after we were given it.
+                tracing::debug!(device = %dev_path.display(), attempt, "loop device taken concurrently; retrying");
+                std::thread::sleep(Duration::from_millis(2 + 3 * attempt as u64));
+                Ok(self)
+            }
+            Errno::EINVAL if self.configure && self.direct_io => {
+                tracing::warn!(file = %file.display(), "LOOP_CONFIGURE refused direct I/O; retrying with buffered I/O");
+                Ok(BindMode {
+                    direct_io: false,
+                    ..self
+                })
+            }
+            Errno::EINVAL | Errno::ENOTTY if self.configure => {
+                tracing::info!(
+                    "LOOP_CONFIGURE unsupported; falling back to LOOP_SET_FD + LOOP_SET_STATUS64"
+                );
+                Ok(BindMode {
+                    configure: false,
+                    direct_io: opts.direct_io,
+                })
+            }
+            e => {
+                let op = if self.configure {
+                    "LOOP_CONFIGURE"
+                } else {
+                    "LOOP_SET_FD/LOOP_SET_STATUS64"
+                };
+                Err(LoopError::ioctl(op, dev_path, e))
+            }
+        }
+    }
+}
+
+/// One try at binding `backing` to `dev`: the kernel's refusal as the inner
+/// error (the caller decides whether to try again), a failure after the
+/// bind (undone) as the outer one.
+fn bind_device(
+    dev: &File,
+    dev_path: &Path,
+    backing: &File,
+    opts: &AttachOptions,
+    mode: &BindMode,
+    autoclear: bool,
+) -> Result<Result<(), Errno>, LoopError> {
+    if mode.configure {
+        let mut flags = 0;
+        if opts.read_only {
+            flags |= LO_FLAGS_READ_ONLY;
+        }
+        if mode.direct_io {
+            flags |= LO_FLAGS_DIRECT_IO;
+        }
+        if autoclear {
+            flags |= LO_FLAGS_AUTOCLEAR;
+        }
+        return Ok(configure(
+            dev,
+            backing,
+            flags,
+            &opts.tag,
+            opts.size_limit,
+            opts.logical_block_size,
+        ));
+    }
+    if let Err(e) = legacy_bind(
+        dev,
+        dev_path,
+        backing,
+        &opts.tag,
+        opts.size_limit,
+        autoclear,
+    ) {
+        return Ok(Err(e));
+    }
+    if mode.direct_io {
+        // The legacy path can only ask for direct I/O afterwards.
+        if let Err(e) = unsafe { ioc::loop_set_direct_io(dev.as_raw_fd(), 1) } {
+            tracing::warn!(device = %dev_path.display(), error = %e, "direct I/O refused; using buffered I/O");
+        }
+    }
+    if opts.logical_block_size != 0 {
+        let size = opts.logical_block_size as i32;
+        if let Err(e) = unsafe { ioc::loop_set_block_size(dev.as_raw_fd(), size) } {
+            let _ = unsafe { ioc::loop_clr_fd(dev.as_raw_fd()) };
+            return Err(LoopError::ioctl("LOOP_SET_BLOCK_SIZE", dev_path, e));
+        }
+    }
+    Ok(Ok(()))
 }
 
 /// Unbinds a loop device (LOOP_CLR_FD).
