@@ -418,8 +418,13 @@ fn free_device(ctl: &File, ctl_path: &Path) -> Result<Option<(PathBuf, File)>, L
         Err(e) => return Err(LoopError::ioctl("LOOP_CTL_GET_FREE", ctl_path, e)),
     };
     let dev_path = ensure_node(number)?;
-    match open_loop(&dev_path, true) {
-        Ok(f) => Ok(Some((dev_path, f))),
+    Ok(open_if_present(&dev_path, true)?.map(|f| (dev_path, f)))
+}
+
+/// [`open_loop`], or None when the device node or the device is gone.
+fn open_if_present(path: &Path, write: bool) -> Result<Option<File>, LoopError> {
+    match open_loop(path, write) {
+        Ok(f) => Ok(Some(f)),
         Err(LoopError::Open { source, .. })
             if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
         {
@@ -685,15 +690,7 @@ pub(crate) fn open_by_rdev(rdev: u64) -> Result<Option<(File, PathBuf)>, LoopErr
         .and_then(|n| n.parse().ok())
         .ok_or_else(|| LoopError::NotLoopDevice(link.clone()))?;
     let path = ensure_node(number)?;
-    match open_loop(&path, false) {
-        Ok(file) => Ok(Some((file, path))),
-        Err(LoopError::Open { source, .. })
-            if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENXIO)) =>
-        {
-            Ok(None)
-        }
-        Err(e) => Err(e),
-    }
+    Ok(open_if_present(&path, false)?.map(|f| (f, path)))
 }
 
 /// LOOP_CLR_FD on a device this process just bound and nobody used yet
