@@ -65,7 +65,7 @@ pub async fn serve_with_metrics(
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
     mut hooks: ServeHooks,
-    metrics_hooks: MetricsHooks,
+    mut metrics_hooks: MetricsHooks,
 ) -> Result<(), ServeError> {
     cfg.validate().map_err(ServeError::Config)?;
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
@@ -86,7 +86,7 @@ pub async fn serve_with_metrics(
     ));
     // Bound before the socket, so that a taken port fails the start instead of going
     // unnoticed; served until the gRPC server has stopped.
-    let http = start_http(&cfg, &metrics, node.as_ref(), metrics_hooks).await?;
+    let http = start_http(&cfg, &metrics, node.as_ref(), &mut metrics_hooks).await?;
 
     let listener = bind(&socket)?;
     tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, "serving CSI");
@@ -133,6 +133,8 @@ pub async fn serve_with_metrics(
         h.stop().await;
     }
     let _ = std::fs::remove_file(&socket);
+    // An embedder waiting on an endpoint that was never bound learns it now.
+    drop(metrics_hooks);
     tracing::info!("stopped; socket removed, volumes left mounted");
     Ok(result?)
 }
@@ -178,7 +180,7 @@ async fn start_http(
     cfg: &Config,
     metrics: &Arc<crate::metrics::Metrics>,
     node: Option<&Arc<Node>>,
-    metrics_hooks: MetricsHooks,
+    metrics_hooks: &mut MetricsHooks,
 ) -> Result<Option<fencecsi_cluster::http::HttpServer>, ServeError> {
     let Some(endpoint) = &cfg.http_endpoint else {
         return Ok(None);
@@ -187,7 +189,7 @@ async fn start_http(
     let server = fencecsi_cluster::http::start(endpoint, report)
         .await
         .map_err(io_error(&format!("binding --http-endpoint {endpoint}")))?;
-    if let Some(tx) = metrics_hooks.http_endpoint {
+    if let Some(tx) = metrics_hooks.http_endpoint.take() {
         let _ = tx.send(server.local_addr());
     }
     Ok(Some(server))

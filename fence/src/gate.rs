@@ -44,7 +44,7 @@ pub(crate) fn split_by_gate(
 ///    complete, into the data, before this returns;
 /// 4. the gate's empty window moves past the data, so a request sent to the
 ///    gate itself (not through a device above) lands in the trailer, where
-///    [`late_write_at`] finds it.
+///    [`crate::late_write_at`] finds it.
 ///
 /// No timed wait. Returns each device's state after, by device.
 pub(crate) fn shut_gate(

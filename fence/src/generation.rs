@@ -103,7 +103,7 @@ pub fn marker_path(image: &Path) -> PathBuf {
 /// The whole-generation fence: see the module docs. `data_bytes` is the
 /// generation's data size; nothing in `[0, data_bytes)` changes after this
 /// returns Ok. `settle` is how long each holder stays shrunk in place before
-/// it moves ([`SETTLE`] unless the controller's `--fence-settle` says
+/// it moves ([`crate::SETTLE`] unless the controller's `--fence-settle` says
 /// otherwise; zero is one barrier, for a device no write was issued on yet, or
 /// to measure what the settle buys).
 pub fn freeze(path: &Path, data_bytes: u64, settle: Duration) -> Result<FenceReport, FenceError> {

@@ -17,7 +17,7 @@ use crate::window::{is_fenced_device, WINDOW_BYTES};
 /// lands in the trailer and still reports success: a write acknowledged to
 /// node A that node B never sees (tests/tests/fence_inflight.rs shows both).
 /// Nothing bounds how long a task can be kept off a CPU, so this is a bound
-/// chosen, not a proof; [`late_write_at`] finds what outlasted it.
+/// chosen, not a proof; [`crate::late_write_at`] finds what outlasted it.
 /// The controller's `--fence-settle` sets it; this is its default.
 pub const SETTLE: Duration = Duration::from_millis(250);
 /// Barriers during the settle: each drains the late requests that got into
@@ -26,7 +26,7 @@ const SETTLE_BARRIERS: u32 = 5;
 
 /// One pass over the holders: the ones already fenced get a barrier, the
 /// others are shrunk in place, settled for `settle` and moved into the
-/// trailer at `end` (see [`SETTLE`]). Each new holder is held open from its
+/// trailer at `end` (see [`SETTLE`](crate::SETTLE)). Each new holder is held open from its
 /// shrink to its move (`HeldDevice`), so a device released meanwhile cannot
 /// come back as another volume's and be remapped in its place. Returns each
 /// holder's result, in order, how many were new, and the time settled
@@ -104,7 +104,7 @@ pub(crate) fn remap_pass(
 /// Shrinks a device to one sector at its current offset: from here the end
 /// check refuses every new request of more than a sector, and the requests
 /// already past it land in the data if they reach the queue before the
-/// window moves (see [`SETTLE`]).
+/// window moves (see [`SETTLE`](crate::SETTLE)).
 fn shrink_in_place(device: &HeldDevice) -> Result<LoopInfo, loop_device::LoopError> {
     let now = device.status()?;
     device.remap(now.offset, WINDOW_BYTES)

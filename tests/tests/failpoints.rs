@@ -200,9 +200,9 @@ fn the_production_driver_binary_has_no_failpoints() {
     );
 }
 
-/// The features cargo gives fencecsi-driver when it resolves `args` (a
-/// `cargo tree` package selection): the `{f}` of its line.
-fn driver_features(args: &[&str]) -> String {
+/// The features cargo gives `package` when it resolves `args` (a `cargo
+/// tree` package selection): the `{f}` of its line.
+fn features_of(package: &str, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO"))
         .arg("tree")
         .args(args)
@@ -218,15 +218,16 @@ fn driver_features(args: &[&str]) -> String {
     let tree = String::from_utf8(out.stdout).expect("UTF-8 from cargo tree");
     let line = tree
         .lines()
-        .find(|l| l.starts_with("fencecsi-driver "))
-        .unwrap_or_else(|| panic!("cargo tree {args:?} does not list fencecsi-driver:\n{tree}"));
+        .find(|l| l.starts_with(&format!("{package} ")))
+        .unwrap_or_else(|| panic!("cargo tree {args:?} does not list {package}:\n{tree}"));
     line[line.rfind('[').expect("features")..].to_string()
 }
 
 /// The image (deploy/Dockerfile) builds its binaries with one `cargo build -p
 /// .. -p ..`: cargo unifies features over those packages and their normal
-/// dependencies, so none of them may turn `failpoints` on, and the command
-/// must not ask for features.
+/// dependencies, so none of them may turn `failpoints` (driver, fence,
+/// failpoint crates) or the fence's `test-support` on, and the command must
+/// not ask for features.
 #[test]
 fn the_image_build_leaves_failpoints_off() {
     let dockerfile = std::fs::read_to_string(Path::new(WORKSPACE).join("deploy/Dockerfile"))
@@ -252,17 +253,30 @@ fn the_image_build_leaves_failpoints_off() {
         "deploy/Dockerfile does not build fencecsi-driver: {command}"
     );
 
-    // Positive control: the tests' build turns it on.
-    let tests = driver_features(&["-p", "fencecsi-tests"]);
-    assert!(tests.contains("failpoints"), "fencecsi-tests: {tests}");
+    // Positive controls: the tests' build turns failpoints on in every crate
+    // that has them, and the driver's own tests the fence's test helpers.
+    for package in ["fencecsi-driver", "fencecsi-fence", "fencecsi-failpoint"] {
+        let tests = features_of(package, &["-p", "fencecsi-tests"]);
+        assert!(
+            tests.contains("failpoints"),
+            "fencecsi-tests: {package} {tests}"
+        );
+    }
+    let driver_tests = features_of("fencecsi-fence", &["-p", "fencecsi-driver"]);
+    assert!(
+        driver_tests.contains("test-support"),
+        "the driver's tests: fencecsi-fence {driver_tests}"
+    );
 
     selection.extend(["-e", "no-dev"]);
-    let image = driver_features(&selection);
-    assert!(
-        !image.contains("failpoints"),
-        "`cargo build {}` turns failpoints on: fencecsi-driver {image}",
-        selection.join(" ")
-    );
+    for package in ["fencecsi-driver", "fencecsi-fence", "fencecsi-failpoint"] {
+        let image = features_of(package, &selection);
+        assert!(
+            !image.contains("failpoints") && !image.contains("test-support"),
+            "`cargo build {}` turns test features on: {package} {image}",
+            selection.join(" ")
+        );
+    }
 }
 
 /// The names of symbols from the embedded API server and the controller

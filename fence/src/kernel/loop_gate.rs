@@ -26,7 +26,7 @@
 //! drained by a barrier on the device above (`LOOP_SET_STATUS64` freezes its
 //! queue until every request in it completed), and the device above uses
 //! direct I/O, so a request completes only once the gate completed the bios
-//! it made (no page cache of the gate in between). See `fence.rs`.
+//! it made (no page cache of the gate in between). See the fence crate's `gate.rs`.
 //!
 //! The gate carries the tag `gate:<tag of the device above>` and the
 //! autoclear flag: it is unbound when the device above lets go of it (or
