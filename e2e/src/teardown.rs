@@ -207,7 +207,7 @@ pub fn detach_loop_devices_on(dev: u64) -> anyhow::Result<()> {
             "--list",
             "--json",
             "--output",
-            "NAME,BACK-FILE,BACK-MAJ:MIN",
+            "NAME,MAJ:MIN,BACK-FILE,BACK-MAJ:MIN",
         ],
     )?;
     if out.trim().is_empty() {
@@ -215,18 +215,29 @@ pub fn detach_loop_devices_on(dev: u64) -> anyhow::Result<()> {
     }
     let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
     let v: serde_json::Value = serde_json::from_str(&out)?;
-    for d in v["loopdevices"].as_array().into_iter().flatten() {
-        let (Some(name), Some(majmin)) = (d["name"].as_str(), d["back-maj:min"].as_str()) else {
-            continue;
-        };
-        if majmin.trim() == want {
-            say(format!(
-                "teardown: detaching {name} ({})",
-                d["back-file"].as_str().unwrap_or("?")
-            ));
-            if let Err(e) = process::sh("losetup", &["--detach", name]) {
-                say(format!("teardown: {e:#}"));
-            }
+    let devices: Vec<&serde_json::Value> =
+        v["loopdevices"].as_array().into_iter().flatten().collect();
+    let field = |d: &serde_json::Value, k: &str| d[k].as_str().unwrap_or("").trim().to_string();
+    let on_state: Vec<&serde_json::Value> = devices
+        .iter()
+        .copied()
+        .filter(|d| field(d, "back-maj:min") == want)
+        .collect();
+    // A node's device is stacked on a gate (a loop device over the image):
+    // the device above goes first, or the gate stays held by it.
+    let gates: Vec<String> = on_state.iter().map(|d| field(d, "maj:min")).collect();
+    let above = devices
+        .iter()
+        .copied()
+        .filter(|d| gates.contains(&field(d, "back-maj:min")));
+    for d in above.chain(on_state.iter().copied()) {
+        let name = field(d, "name");
+        say(format!(
+            "teardown: detaching {name} ({})",
+            field(d, "back-file")
+        ));
+        if let Err(e) = process::sh("losetup", &["--detach", &name]) {
+            say(format!("teardown: {e:#}"));
         }
     }
     Ok(())
