@@ -76,12 +76,29 @@ if [ -n "${FENCECSI_E2E_K8S_BIN:-}" ] && [ -n "${FENCECSI_E2E_IMAGES:-}" ]; then
   have iptables || need+=(iptables)
   have openssl || need+=(openssl)
   have nsenter || need+=(util-linux)
+  # The upstream storage suite (e2e/tests/upstream_storage.rs) logs into the nodes over
+  # SSH to restart their kubelets; each node runs its own sshd on its own address.
+  if [ -n "${FENCECSI_E2E_UPSTREAM_SUITE:-}" ]; then
+    [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+  fi
 fi
 if [ "${#need[@]}" -gt 0 ]; then
   mapfile -t need < <(printf '%s\n' "${need[@]}" | sort -u)
   say "installing ${need[*]} (apt-get update, then install; about a minute)"
   apt_run update
+  # openssh-server is wanted for the e2e nodes' own sshds, never as the host's service:
+  # while it installs, a policy-rc.d refusing service starts is in place (one already
+  # there, as on container-built machines, is left as it is).
+  made_policy=""
+  if printf '%s\n' "${need[@]}" | grep -qx openssh-server && [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\n# fencecsi setup.sh: no service starts while it installs packages.\nexit 101\n' |
+      as_root tee /usr/sbin/policy-rc.d >/dev/null
+    as_root chmod 755 /usr/sbin/policy-rc.d
+    made_policy=1
+    trap 'as_root rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
   apt_run install -y --no-install-recommends "${need[@]}"
+  if [ -n "$made_policy" ]; then as_root rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
   say "installed ${need[*]}"
 else
   say "filesystem tools present (ext4, xfs, btrfs, util-linux)"

@@ -22,6 +22,9 @@ if [ -n "${FENCECSI_E2E_K8S_BIN:-}" ] && [ -n "${FENCECSI_E2E_IMAGES:-}" ]; then
 else
   echo "test: the real-kubelet suite (e2e/) will say SKIPPED: set FENCECSI_E2E_K8S_BIN and FENCECSI_E2E_IMAGES to run it (DEVELOPERS.md)" >&2
 fi
+if [ -n "${FENCECSI_E2E_UPSTREAM_SUITE:-}" ]; then
+  echo "test: Kubernetes' own storage suite (e2e/tests/upstream_storage.rs) runs too, with $FENCECSI_E2E_UPSTREAM_SUITE (docs/conformance.md; most of an hour for its two driver definitions)" >&2
+fi
 echo "test: disk free for the build and the tests' images: $(df -h --output=avail . | tail -1 | tr -d ' ')" >&2
 echo "test: building and running the suite (a first run takes about 20 minutes on 2 cores, most of it building, the image's release build and debootstrap included)" >&2
 exec cargo test --workspace --locked --no-fail-fast "$@"

@@ -17,8 +17,8 @@ use crate::{certs, network, say, state_fs, wait};
 pub const NODE_COUNT: usize = 3;
 
 /// Size of the state directory's own filesystem (a sparse image: only what is written
-/// takes disk space).
-const STATE_FS_BYTES: u64 = 4 << 30;
+/// takes disk space); room for the upstream suite's volume-limit spec, 64 volumes on a node.
+const STATE_FS_BYTES: u64 = 32 << 30;
 
 pub struct Cluster {
     pub run_dir: PathBuf,

@@ -36,6 +36,7 @@ impl NodeCtr {
                 "-m",
                 "-u",
                 "-n",
+                "-p",
                 "--",
                 "ctr",
                 "--address",
@@ -57,7 +58,7 @@ impl NodeCtr {
         run(Command::new("nsenter")
             .arg("-t")
             .arg(self.holder.to_string())
-            .args(["-m", "--", "mkdir", "-p", IMAGE_ROOTFS]))?;
+            .args(["-m", "-p", "--", "mkdir", "-p", IMAGE_ROOTFS]))?;
         run(self
             .ctr()
             .args(["images", "mount", "--rw", image, IMAGE_ROOTFS]))

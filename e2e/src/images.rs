@@ -85,6 +85,7 @@ pub fn import(holder: i32, socket: &str, archive: &Path) -> Result<()> {
         .arg(holder.to_string())
         .args([
             "-m",
+            "-p",
             "--",
             "ctr",
             "--address",

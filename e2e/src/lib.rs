@@ -20,10 +20,12 @@ pub mod inputs;
 pub mod kubectl;
 pub mod network;
 pub mod node;
+pub mod node_access;
 pub mod process;
 pub mod scenarios;
 pub mod state_fs;
 pub mod teardown;
+pub mod upstream;
 pub mod wait;
 
 /// Progress on stderr, with seconds since the run started.
@@ -33,4 +35,29 @@ pub fn say(msg: impl AsRef<str>) {
     static START: OnceLock<Instant> = OnceLock::new();
     let t = START.get_or_init(Instant::now).elapsed().as_secs_f64();
     eprintln!("e2e [{t:7.1}s] {}", msg.as_ref());
+}
+
+/// Appends one JSON line to `target/e2e/<file>` (beside the run directories, kept
+/// across runs): the figures of a run.
+pub fn record_result(c: &cluster::Cluster, file: &str, line: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let p = c
+        .run_dir
+        .parent()
+        .context("run dir has a parent")?
+        .join(file);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&p)?;
+    writeln!(f, "{line}")?;
+    Ok(())
+}
+
+/// A SKIPPED banner, written to the process's stderr itself: libtest captures
+/// `eprintln!` of a passing test, and a skip must be seen.
+pub fn skipped(msg: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(msg.as_bytes());
 }

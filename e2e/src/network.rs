@@ -44,12 +44,13 @@ pub fn make_bridge(name: &str, net: &str, td: &Teardown) -> Result<Bridge> {
     })
 }
 
-/// `nsenter` into the network (and mount, for iptables' lock file) namespace of `holder`.
+/// `nsenter` into the network (and mount, for iptables' lock file, and PID, where that
+/// mount namespace's /proc belongs) namespace of `holder`.
 pub fn in_node(holder: i32, prog: &str, args: &[&str]) -> Result<String> {
     run(Command::new("nsenter")
         .arg("-t")
         .arg(holder.to_string())
-        .args(["-m", "-n", "--", prog])
+        .args(["-m", "-n", "-p", "--", prog])
         .args(args))
 }
 

@@ -70,7 +70,7 @@ impl NodeSpec {
     pub fn log_dir(&self) -> PathBuf {
         self.dir.join("log")
     }
-    fn own_logs(&self) -> PathBuf {
+    pub fn own_logs(&self) -> PathBuf {
         self.dir.join("logs")
     }
 }
@@ -135,7 +135,7 @@ fn in_node_cgroup(spec: &NodeSpec, argv: &[String]) -> Result<Command> {
 /// Starts `argv` in the node's cgroup as a daemon of its own process group, its output in
 /// `<log>.log` among the node's logs, recorded for the teardown as `<node> <what>`.
 /// Returns its pid (the group's id).
-fn spawn_in_node(
+pub(crate) fn spawn_in_node(
     spec: &NodeSpec,
     argv: &[String],
     log: &str,
@@ -151,12 +151,20 @@ fn spawn_in_node(
     Ok(pid)
 }
 
+/// The node's namespaces: mount, UTS, network and PID. The PID namespace makes the
+/// node's own first process its PID 1, with a `/proc` of its own, as on a real node or a
+/// kind node: what enters "PID 1's mount namespace" (the upstream suite's host-exec
+/// pods) enters the node's, not the host's. `unshare --fork` stays outside as the
+/// parent; the holder returned is its child, PID 1 inside.
 fn start_holder(spec: &NodeSpec, td: &Teardown) -> Result<i32> {
     let argv: Vec<String> = [
         "unshare",
         "--mount",
         "--uts",
         "--net",
+        "--pid",
+        "--fork",
+        "--mount-proc",
         "--propagation",
         "slave",
         "--",
@@ -166,20 +174,36 @@ fn start_holder(spec: &NodeSpec, td: &Teardown) -> Result<i32> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let pid = spawn_in_node(spec, &argv, "holder", "namespace holder", td)?;
-    // Namespaces exist once the shell has exec'd unshare and unshare has exec'd sleep.
+    let parent = spawn_in_node(spec, &argv, "holder", "namespace holder", td)?;
     wait::until(
         &format!("{}'s namespaces", spec.name),
         Duration::from_secs(10),
         Duration::from_millis(20),
-        || {
-            Ok(
-                (std::fs::read_to_string(format!("/proc/{pid}/comm"))?.trim() == "sleep")
-                    .then_some(()),
-            )
-        },
-    )?;
-    Ok(pid)
+        || Ok(child_running(parent, "sleep")),
+    )
+}
+
+/// The child of `parent` whose command is `comm`, once it runs it.
+pub fn child_running(parent: i32, comm: &str) -> Option<i32> {
+    let kids = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+    kids.split_whitespace()
+        .filter_map(|k| k.parse::<i32>().ok())
+        .find(|k| {
+            std::fs::read_to_string(format!("/proc/{k}/comm")).is_ok_and(|c| c.trim() == comm)
+        })
+}
+
+/// The last `NSpid` of a process: its pid inside the innermost PID namespace (the
+/// node's, for a daemon of the node).
+pub fn pid_in_namespace(pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
 }
 
 fn mount_private_paths(spec: &NodeSpec, env: &NodeEnv, holder: i32) -> Result<()> {
@@ -202,7 +226,7 @@ hostname '{name}'
     run(Command::new("nsenter")
         .arg("-t")
         .arg(holder.to_string())
-        .args(["-m", "-u", "--", "sh", "-c", &script]))
+        .args(["-m", "-u", "-p", "--", "sh", "-c", &script]))
     .with_context(|| format!("mounting {}'s private paths", spec.name))?;
     Ok(())
 }
@@ -249,12 +273,23 @@ fn cni_config(spec: &NodeSpec) -> String {
     .to_string()
 }
 
-/// `nsenter` into every namespace of the node, inside its cgroup.
-fn node_daemon_argv(holder: i32, argv: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = ["nsenter", "-t", &holder.to_string(), "-m", "-u", "-n", "--"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+/// `nsenter` into every namespace of the node, inside its cgroup. Entering the PID
+/// namespace forks: `nsenter` stays as the parent (the process group's leader) and the
+/// daemon is its child.
+pub(crate) fn node_daemon_argv(holder: i32, argv: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "nsenter",
+        "-t",
+        &holder.to_string(),
+        "-m",
+        "-u",
+        "-n",
+        "-p",
+        "--",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     v.extend(argv.iter().map(|s| s.to_string()));
     v
 }
@@ -277,7 +312,15 @@ fn start_containerd(spec: &NodeSpec, env: &NodeEnv, holder: i32, td: &Teardown) 
             Ok(run(Command::new("nsenter")
                 .arg("-t")
                 .arg(holder.to_string())
-                .args(["-m", "--", "ctr", "--address", CONTAINERD_SOCKET, "version"]))
+                .args([
+                    "-m",
+                    "-p",
+                    "--",
+                    "ctr",
+                    "--address",
+                    CONTAINERD_SOCKET,
+                    "version",
+                ]))
             .is_ok()
             .then_some(()))
         },
@@ -332,18 +375,7 @@ fn start_kubelet(
     kubeconfig: &Path,
     td: &Teardown,
 ) -> Result<i32> {
-    let cfg = spec.dir.join("kubelet.json");
-    std::fs::write(&cfg, kubelet_config(spec, env))?;
-    let kubelet = env.k8s_bin.join("kubelet").display().to_string();
-    let args = [
-        kubelet.as_str(),
-        &format!("--config={}", cfg.display()),
-        &format!("--kubeconfig={}", kubeconfig.display()),
-        &format!("--hostname-override={}", spec.name),
-        &format!("--node-ip={}", spec.ip),
-        "--v=2",
-    ]
-    .map(|s| s.to_string());
+    let args = kubelet_argv(spec, env, kubeconfig)?;
     let argv = node_daemon_argv(holder, &args.iter().map(String::as_str).collect::<Vec<_>>());
     let pgid = spawn_in_node(spec, &argv, "kubelet", "kubelet", td)?;
     say(format!(
@@ -352,6 +384,20 @@ fn start_kubelet(
         spec.own_logs().join("kubelet.log").display()
     ));
     Ok(pgid)
+}
+
+/// The kubelet's command line (its config written beside it), as run inside the node.
+pub fn kubelet_argv(spec: &NodeSpec, env: &NodeEnv, kubeconfig: &Path) -> Result<Vec<String>> {
+    let cfg = spec.dir.join("kubelet.json");
+    std::fs::write(&cfg, kubelet_config(spec, env))?;
+    Ok(vec![
+        env.k8s_bin.join("kubelet").display().to_string(),
+        format!("--config={}", cfg.display()),
+        format!("--kubeconfig={}", kubeconfig.display()),
+        format!("--hostname-override={}", spec.name),
+        format!("--node-ip={}", spec.ip),
+        "--v=2".to_string(),
+    ])
 }
 
 /// Restarts the kubelet only (a day-2 kubelet restart): stop its process group, start anew.

@@ -207,7 +207,7 @@ pub fn detach_loop_devices_on(dev: u64) -> anyhow::Result<()> {
             "--list",
             "--json",
             "--output",
-            "NAME,MAJ:MIN,BACK-FILE,BACK-MAJ:MIN",
+            "NAME,MAJ:MIN,BACK-FILE,BACK-MAJ:MIN,BACK-INO",
         ],
     )?;
     if out.trim().is_empty() {
@@ -217,30 +217,73 @@ pub fn detach_loop_devices_on(dev: u64) -> anyhow::Result<()> {
     let v: serde_json::Value = serde_json::from_str(&out)?;
     let devices: Vec<&serde_json::Value> =
         v["loopdevices"].as_array().into_iter().flatten().collect();
-    let field = |d: &serde_json::Value, k: &str| d[k].as_str().unwrap_or("").trim().to_string();
+    // losetup prints some columns as strings (padded) and numbers as numbers.
+    let field = |d: &serde_json::Value, k: &str| match &d[k] {
+        serde_json::Value::String(s) => s.trim().to_string(),
+        serde_json::Value::Number(n) => n.to_string(),
+        _ => String::new(),
+    };
     let on_state: Vec<&serde_json::Value> = devices
         .iter()
         .copied()
         .filter(|d| field(d, "back-maj:min") == want)
         .collect();
-    // A node's device is stacked on a gate (a loop device over the image):
-    // the device above goes first, or the gate stays held by it.
-    let gates: Vec<String> = on_state.iter().map(|d| field(d, "maj:min")).collect();
-    let above = devices
-        .iter()
-        .copied()
-        .filter(|d| gates.contains(&field(d, "back-maj:min")));
-    for d in above.chain(on_state.iter().copied()) {
+    // Devices stack on the images: a gate over the image, the node's device over the
+    // gate, and for a block volume the kubelet's own loop device over that. Each level's
+    // backing file is the device node below, told by its inode (the path is relative to
+    // a /dev it saw); the top goes first, or the one below stays held by it.
+    let mut levels: Vec<Vec<&serde_json::Value>> = vec![on_state];
+    loop {
+        let below: Vec<(String, String)> = levels
+            .last()
+            .into_iter()
+            .flatten()
+            .filter_map(|d| node_inode(&field(d, "name")))
+            .collect();
+        let above: Vec<&serde_json::Value> = devices
+            .iter()
+            .copied()
+            .filter(|d| below.contains(&(field(d, "back-maj:min"), field(d, "back-ino"))))
+            .collect();
+        if above.is_empty() || levels.len() > 8 {
+            break;
+        }
+        levels.push(above);
+    }
+    for d in levels.iter().rev().flatten() {
         let name = field(d, "name");
         say(format!(
             "teardown: detaching {name} ({})",
             field(d, "back-file")
         ));
         if let Err(e) = process::sh("losetup", &["--detach", &name]) {
-            say(format!("teardown: {e:#}"));
+            // One marked autoclear goes by itself once the device above lets go.
+            if still_attached(&name) {
+                say(format!("teardown: {e:#}"));
+            }
         }
     }
     Ok(())
+}
+
+fn still_attached(dev: &str) -> bool {
+    let name = dev.rsplit('/').next().unwrap_or(dev);
+    std::path::Path::new("/sys/block")
+        .join(name)
+        .join("loop/backing_file")
+        .exists()
+}
+
+/// The (`maj:min` of its filesystem, inode) of a device node, as losetup names a
+/// backing file.
+fn node_inode(path: &str) -> Option<(String, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    let dev = m.dev();
+    Some((
+        format!("{}:{}", libc::major(dev), libc::minor(dev)),
+        m.ino().to_string(),
+    ))
 }
 
 /// Removes a tree; fenced generations carry the immutable flag, so a failed removal

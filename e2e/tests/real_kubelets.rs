@@ -18,7 +18,7 @@ fn shipped_deployment_fails_over_through_a_real_partition() {
     let inputs = match inputs::from_env() {
         Ok(i) => i,
         Err(why) => {
-            skipped(&format!(
+            fencecsi_e2e::skipped(&format!(
                 "\n==== SKIPPED: fencecsi-e2e real_kubelets ====\n{why}\nSet {} and {} (and see DEVELOPERS.md) to run the shipped deployment on real kubelets.\n=============================================\n",
                 inputs::K8S_BIN,
                 inputs::IMAGES
@@ -120,7 +120,7 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
         ));
         let f = failover::fail_over_and_return(c, *fault, td)?;
         say(format!("figures: {}", f.json()));
-        record(c, &f)?;
+        fencecsi_e2e::record_result(c, "results.jsonl", &f.json().to_string())?;
         figures.push(f);
     }
     let secs: Vec<String> = figures
@@ -134,22 +134,6 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
     // A last look: every node is still Ready.
     let names: Vec<String> = c.nodes.iter().map(|n| n.spec.name.clone()).collect();
     c.wait_nodes_ready(&names, Duration::from_secs(60))?;
-    Ok(())
-}
-
-/// Appends the run's figures to target/e2e/results.jsonl (kept across runs).
-fn record(c: &Cluster, f: &failover::Figures) -> Result<()> {
-    use std::io::Write;
-    let p = c
-        .run_dir
-        .parent()
-        .context("run dir has a parent")?
-        .join("results.jsonl");
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&p)?;
-    writeln!(file, "{}", f.json())?;
     Ok(())
 }
 
@@ -178,11 +162,4 @@ fn save_logs(c: &Cluster) {
             .status();
     }
     say(format!("logs saved in {}", dst.display()));
-}
-
-/// The SKIPPED banner, written to the process's stderr itself: libtest captures
-/// `eprintln!` of a passing test, and a skip must be seen.
-fn skipped(msg: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(msg.as_bytes());
 }

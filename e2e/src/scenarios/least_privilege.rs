@@ -35,7 +35,7 @@ fn node_plugin_token(c: &Cluster, node: &str) -> Result<String> {
     let token = run(Command::new("nsenter")
         .arg("-t")
         .arg(holder.to_string())
-        .args(["-m", "--", "cat", &path]))?;
+        .args(["-m", "-p", "--", "cat", &path]))?;
     Ok(token.trim().to_string())
 }
 
