@@ -1,4 +1,4 @@
-//! One node: a namespace holder (`unshare` of mount, UTS and network namespaces) in the
+//! One node: a namespace holder (`unshare` of mount, UTS, network and PID namespaces) in the
 //! node's own cgroup, private mounts inside it for every well-known path the kubelet and
 //! containerd would otherwise share with the other nodes, its own containerd and a v1.32
 //! kubelet with production timing.

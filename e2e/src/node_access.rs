@@ -152,9 +152,11 @@ fn systemctl_script(pid_file: &Path, log: &Path, kubelet: &[String]) -> String {
         r#"#!/bin/sh
 # systemctl of a fencecsi e2e node: one unit, kubelet.
 pid_file={pid_file}
+# A kubelet that died unreaped (a zombie) still reads "kubelet" in comm: not running.
 running() {{
   pid=$(cat "$pid_file" 2>/dev/null) && [ -n "$pid" ] &&
-    [ "$(cat /proc/$pid/comm 2>/dev/null)" = kubelet ]
+    [ "$(cat /proc/$pid/comm 2>/dev/null)" = kubelet ] &&
+    ! grep -q '^State:[[:space:]]*Z' /proc/$pid/status 2>/dev/null
 }}
 stop() {{
   running || return 0
@@ -163,10 +165,14 @@ stop() {{
   while running && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
   if running; then kill -KILL "$pid"; fi
 }}
+# The kubelet runs under a shell of its own that waits for it, so it is reaped when it
+# ends (the node's PID 1 reaps nothing).
 start() {{
   running && return 0
-  setsid {argv} >>{log} 2>&1 </dev/null &
-  echo $! >"$pid_file"
+  rm -f "$pid_file"
+  setsid sh -c '"$@" & echo $! >"$0"; wait' "$pid_file" {argv} >>{log} 2>&1 </dev/null &
+  i=0
+  while [ ! -s "$pid_file" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
 }}
 case "$1 $2" in
   "stop kubelet") stop ;;
@@ -199,7 +205,7 @@ mod tests {
             Path::new("/n/kubelet.log"),
             &["/bin/kubelet".into(), "--v=2".into()],
         );
-        assert!(s.contains("setsid '/bin/kubelet' '--v=2' >>'/n/kubelet.log'"));
+        assert!(s.contains("\"$pid_file\" '/bin/kubelet' '--v=2' >>'/n/kubelet.log'"));
         assert!(s.contains(r#""show kubelet")"#));
     }
 }

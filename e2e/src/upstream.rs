@@ -26,6 +26,8 @@ pub const DEFINITIONS: &str = "FENCECSI_E2E_UPSTREAM_DEFINITIONS";
 /// (`FENCECSI_E2E_UPSTREAM_PROCS` processes, default 3); without it they run one by one.
 pub const GINKGO: &str = "FENCECSI_E2E_UPSTREAM_GINKGO";
 pub const PROCS: &str = "FENCECSI_E2E_UPSTREAM_PROCS";
+/// Optional: which passes to run (`parallel`, `disruptive`; default both, see [`Pass`]).
+pub const PASSES: &str = "FENCECSI_E2E_UPSTREAM_PASSES";
 /// Optional: a narrower `--ginkgo.focus` (a regular expression), for development.
 pub const FOCUS: &str = "FENCECSI_E2E_UPSTREAM_FOCUS";
 
@@ -226,6 +228,20 @@ impl Pass {
     }
 }
 
+/// The passes to run: `FENCECSI_E2E_UPSTREAM_PASSES`, or both.
+fn wanted_passes() -> Result<Vec<Pass>> {
+    let spec = std::env::var(PASSES).unwrap_or_else(|_| "parallel,disruptive".into());
+    spec.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| match s {
+            "parallel" => Ok(Pass::Parallel),
+            "disruptive" => Ok(Pass::Disruptive),
+            other => bail!("{PASSES}: unknown pass {other:?} (parallel, disruptive)"),
+        })
+        .collect()
+}
+
 /// Runs the suite for one definition against the running cluster, in its passes (the
 /// second only with `access`). Logs and reports go to `target/e2e/<run>-upstream-<name>/`
 /// (kept after the teardown); each finished spec is said as it finishes.
@@ -248,10 +264,10 @@ pub fn run(
             def.name
         ));
     }
-    let passes = match access {
-        Some(_) => vec![Pass::Parallel, Pass::Disruptive],
-        None => vec![Pass::Parallel],
-    };
+    let passes: Vec<Pass> = wanted_passes()?
+        .into_iter()
+        .filter(|p| *p == Pass::Parallel || access.is_some())
+        .collect();
     let mut total = Outcome {
         definition: def.name.clone(),
         ..Outcome::default()
@@ -389,7 +405,8 @@ fn wait_bounded(
 }
 
 /// Follows the log as it grows and says each finished spec: ginkgo's verbose output
-/// ends a spec with `• [...]` (or `• [FAILED] ...`) followed by the spec's text.
+/// ends a spec with `• [...]` (or `• [FAILED] ...`), followed by the spec's text when
+/// specs run in parallel, by a separator when they run one at a time.
 fn follow(log: &Path, name: &str, done: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     let log = log.to_path_buf();
     let name = name.to_string();
@@ -400,6 +417,7 @@ fn follow(log: &Path, name: &str, done: Arc<AtomicBool>) -> std::thread::JoinHan
         let mut pos = 0u64;
         let mut carry = String::new();
         let mut heading: Option<String> = None;
+        let mut current = String::new();
         let mut finished = 0usize;
         loop {
             let last = done.load(Ordering::SeqCst);
@@ -415,10 +433,20 @@ fn follow(log: &Path, name: &str, done: Arc<AtomicBool>) -> std::thread::JoinHan
                 }
                 let full = std::mem::take(&mut carry) + line.trim_end();
                 line.clear();
+                // Run one at a time, ginkgo names the spec as it starts and only
+                // separates it after the result; in parallel it names it after.
+                if full.starts_with("External Storage") && heading.is_none() {
+                    current = full.trim().to_string();
+                }
                 match heading.take() {
                     Some(h) if !full.trim().is_empty() => {
                         finished += 1;
-                        say(format!("upstream {name} #{finished} {h} {}", full.trim()));
+                        let spec = if full.starts_with("---") {
+                            current.as_str()
+                        } else {
+                            full.trim()
+                        };
+                        say(format!("upstream {name} #{finished} {h} {spec}"));
                     }
                     Some(h) => heading = Some(h),
                     None if full.starts_with("• [") || full.starts_with("•  [") => {
