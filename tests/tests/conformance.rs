@@ -1921,6 +1921,76 @@ async fn expand_xfs_online() {
     expand_online("xfs", 300 * MIB, 400 * MIB).await;
 }
 
+/// A volume grown while unstaged (as one restored from a snapshot into a larger claim)
+/// has its filesystem grown at the next stage, on both filesystems.
+async fn expand_unstaged(fs: &str, from: i64, to: i64) {
+    let env = Env::new();
+    let (plugin, mut c) = start_all(&env).await;
+    let cap = mount_cap(Access::SingleNodeWriter, fs);
+    let id = create(&mut c, &format!("pvc-grow-off-{fs}"), from, &cap, &[])
+        .await
+        .volume_id;
+    let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
+    let staging = env.staging_path("node-a", &id);
+    let target = pod_target(&env, "node-a", "pod-grow-off", "pv-grow-off");
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
+        .await
+        .unwrap();
+    let sum = write_payload(&target.join("keep.bin"), 7, 1 << 20);
+    let before = statvfs_total(&target);
+    node_unpublish(&mut c, &id, &target).await;
+    node_unstage(&mut c, &id, &staging).await;
+    let r = c
+        .controller
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.clone(),
+            capacity_range: range(to, 0),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.capacity_bytes, to);
+    c.node
+        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
+        .await
+        .unwrap();
+    let after = statvfs_total(&target);
+    assert!(
+        after > before,
+        "{fs}: filesystem grew at stage: {before} -> {after}"
+    );
+    assert!(after as i64 > from, "{fs}: now bigger than the old device");
+    assert_eq!(sha256_file(&target.join("keep.bin")), sum, "data kept");
+    node_unpublish(&mut c, &id, &target).await;
+    node_unstage(&mut c, &id, &staging).await;
+    unpublish_and_delete(&mut c, &id).await;
+    plugin.stop().await;
+    env.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expand_xfs_unstaged_grows_at_stage() {
+    require_root!();
+    expand_unstaged("xfs", 300 * MIB, 400 * MIB).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expand_ext4_unstaged_grows_at_stage() {
+    require_root!();
+    expand_unstaged("ext4", 32 * MIB, 64 * MIB).await;
+}
+
 // ---------------------------------------------------------------- node: filesystem volumes
 
 async fn stage_publish_filesystem(fs: &str, size: i64) {

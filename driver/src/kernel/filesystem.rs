@@ -222,6 +222,27 @@ pub fn ext4_size(device: &Path) -> Result<u64, FsError> {
     Ok(blocks * (1024u64 << u32_at(0x18)))
 }
 
+/// Size in bytes of the xfs data section on `device`, from its primary superblock
+/// (`sb_dblocks` times `sb_blocksize`, big-endian at offsets 8 and 4).
+pub fn xfs_size(device: &Path) -> Result<u64, FsError> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(device).map_err(|source| FsError::Io {
+        path: device.into(),
+        source,
+    })?;
+    let mut sb = [0u8; 16];
+    f.read_exact_at(&mut sb, 0).map_err(|source| FsError::Io {
+        path: device.into(),
+        source,
+    })?;
+    if &sb[0..4] != b"XFSB" {
+        return Err(FsError::Unsupported("no xfs superblock".into()));
+    }
+    let block = u32::from_be_bytes(sb[4..8].try_into().unwrap()) as u64;
+    let blocks = u64::from_be_bytes(sb[8..16].try_into().unwrap());
+    Ok(blocks * block)
+}
+
 /// Whether the process may resize ext4 online (see [`grow`]).
 pub fn can_grow_ext4_online() -> bool {
     has_cap_sys_resource()

@@ -64,6 +64,23 @@ pub(crate) fn fs_options(fs: &str, readonly: bool, flags: &[String]) -> Vec<Stri
     opts
 }
 
+/// An xfs filesystem smaller than its device (a volume grown while unstaged, or
+/// restored from a snapshot into a larger one) is grown once mounted, the only way
+/// xfs grows. Sizes come from the superblock, so an up-to-date volume costs one read.
+fn grow_xfs_to_device(device: &Path, staging: &Path) -> CsiResult<()> {
+    let fs_size = filesystem::xfs_size(device)
+        .map_err(|e| CsiError::internal("reading the xfs superblock", e))?;
+    let dev_size = filesystem::block_device_size(device)
+        .map_err(|e| CsiError::internal("reading the device size", e))?;
+    if dev_size < fs_size + 4096 {
+        return Ok(());
+    }
+    filesystem::grow(device, staging, "xfs")
+        .map_err(|e| CsiError::internal("growing xfs to its device", e))?;
+    tracing::info!(device = %device.display(), from = fs_size, to = dev_size, "xfs grown to its device at stage");
+    Ok(())
+}
+
 /// An ext4 filesystem smaller than its device was expanded while it could not
 /// grow online (NodeExpandVolume without CAP_SYS_RESOURCE answers
 /// FAILED_PRECONDITION and promises this): grow it offline, before it is
@@ -402,6 +419,7 @@ impl Node {
                     grow_ext4_to_device(&lo.device)?;
                 }
             }
+            // xfs grows only mounted: see after the mount.
             FsKind::Xfs if fs == "xfs" => {}
             other => {
                 return Err(CsiError::FailedPrecondition(format!(
@@ -429,7 +447,11 @@ impl Node {
             } else {
                 CsiError::internal(&what, e)
             }
-        })
+        })?;
+        if fs == "xfs" && !readonly {
+            grow_xfs_to_device(&lo.device, staging)?;
+        }
+        Ok(())
     }
 
     /// A volume is staged at one path per node. A second staging path for a
