@@ -449,7 +449,14 @@ impl Node {
             }
         })?;
         if fs == "xfs" && !readonly {
-            grow_xfs_to_device(&lo.device, staging)?;
+            if let Err(e) = grow_xfs_to_device(&lo.device, staging) {
+                // Unmounted again, so a retried stage finds nothing staged and grows anew
+                // rather than answering OK at the old size.
+                if let Err(u) = mounts::unmount(staging) {
+                    tracing::warn!(staging = %staging.display(), error = %u, "unmounting after a failed grow");
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }
