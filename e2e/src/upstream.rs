@@ -136,7 +136,7 @@ pub fn check_test_images(archives: &[PathBuf]) -> Result<()> {
         .collect();
     if !missing.is_empty() {
         bail!(
-            "the upstream suite's test images are not among the archives: {missing:?} (DEVELOPERS.md, \"The upstream storage suite\", says how to make them)"
+            "the upstream suite's test images are not among the archives: {missing:?} (DEVELOPERS.md, \"The test images\", says how to make them)"
         );
     }
     Ok(())
