@@ -199,17 +199,8 @@ fn has_cap_sys_resource() -> bool {
 /// (block count times block size), so a grown device can be told from a
 /// grown filesystem without running a tool.
 pub fn ext4_size(device: &Path) -> Result<u64, FsError> {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::open(device).map_err(|source| FsError::Io {
-        path: device.into(),
-        source,
-    })?;
     let mut sb = [0u8; 1024];
-    f.read_exact_at(&mut sb, 1024)
-        .map_err(|source| FsError::Io {
-            path: device.into(),
-            source,
-        })?;
+    read_superblock(device, 1024, &mut sb)?;
     let u32_at = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().unwrap()) as u64;
     if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
         return Err(FsError::Unsupported("no ext2/3/4 superblock".into()));
@@ -225,22 +216,27 @@ pub fn ext4_size(device: &Path) -> Result<u64, FsError> {
 /// Size in bytes of the xfs data section on `device`, from its primary superblock
 /// (`sb_dblocks` times `sb_blocksize`, big-endian at offsets 8 and 4).
 pub fn xfs_size(device: &Path) -> Result<u64, FsError> {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::open(device).map_err(|source| FsError::Io {
-        path: device.into(),
-        source,
-    })?;
     let mut sb = [0u8; 16];
-    f.read_exact_at(&mut sb, 0).map_err(|source| FsError::Io {
-        path: device.into(),
-        source,
-    })?;
+    read_superblock(device, 0, &mut sb)?;
     if &sb[0..4] != b"XFSB" {
         return Err(FsError::Unsupported("no xfs superblock".into()));
     }
     let block = u32::from_be_bytes(sb[4..8].try_into().unwrap()) as u64;
     let blocks = u64::from_be_bytes(sb[8..16].try_into().unwrap());
     Ok(blocks * block)
+}
+
+/// Reads `buf.len()` bytes of `device` at `offset`: a superblock, without a tool.
+fn read_superblock(device: &Path, offset: u64, buf: &mut [u8]) -> Result<(), FsError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| FsError::Io {
+        path: device.into(),
+        source,
+    };
+    std::fs::File::open(device)
+        .map_err(io)?
+        .read_exact_at(buf, offset)
+        .map_err(io)
 }
 
 /// Whether the process may resize ext4 online (see [`grow`]).
