@@ -1483,6 +1483,13 @@ fn fencecsi_containers_use_only_flags_and_env_the_binaries_accept() {
                     String::from_utf8_lossy(&out.stderr)
                 ));
             }
+            // --help ends the parse before the driver refuses a flag its mode ignores.
+            if bin == "fencecsi-driver" {
+                let line = std::iter::once(bin.to_string()).chain(expanded.iter().cloned());
+                if let Err(e) = fencecsi_driver::config::Config::from_command_line(line) {
+                    errors.push(format!("{what}: {bin} refuses {expanded:?}: {e}"));
+                }
+            }
         }
     }
     assert!(

@@ -33,6 +33,14 @@ impl Mode {
     pub fn node(self) -> bool {
         matches!(self, Mode::Node | Mode::All)
     }
+    /// The mode as `--mode` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Controller => "controller",
+            Mode::Node => "node",
+            Mode::All => "all",
+        }
+    }
 }
 
 /// When the fence extensions (UNPUBLISH_FENCE, FORCE_UNPUBLISH) are advertised.
@@ -181,6 +189,13 @@ pub fn parse_reserve(s: &str) -> Result<CapacityReserve, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
+/// The `--help` heading of the flags only the controller plugin reads. The headings are
+/// the one place that says which mode reads a flag: [`Config::from_command_line`]
+/// refuses a flag under one of them in a mode that would ignore it.
+pub const CONTROLLER_FLAGS: &str = "Controller plugin (--mode controller or all)";
+/// The `--help` heading of the flags only the node plugin reads.
+pub const NODE_FLAGS: &str = "Node plugin (--mode node or all)";
+
 /// fencecsi CSI plugin: volumes are sparse image files under --state-dir,
 /// attached on nodes as real loop devices, with a write fence on detach.
 #[derive(Debug, Clone, Parser)]
@@ -195,7 +210,7 @@ pub struct Config {
     pub mode: Mode,
 
     /// This node's ID as reported by NodeGetInfo (required in node and all modes).
-    #[arg(long, env = "NODE_ID")]
+    #[arg(long, env = "NODE_ID", help_heading = NODE_FLAGS)]
     pub node_id: Option<String>,
 
     /// Where volume images and their metadata live. Controller and node plugins
@@ -204,7 +219,7 @@ pub struct Config {
     pub state_dir: PathBuf,
 
     /// The kubelet root. Staging and target paths must lie below it.
-    #[arg(long, default_value = "/var/lib/kubelet")]
+    #[arg(long, default_value = "/var/lib/kubelet", help_heading = NODE_FLAGS)]
     pub kubelet_dir: PathBuf,
 
     /// CSI driver name reported by GetPluginInfo.
@@ -238,7 +253,7 @@ pub struct Config {
 
     /// How often the controller garbage-collects fenced generations no
     /// longer held by any loop device ("10s", "2m", or plain seconds; at least 1s).
-    #[arg(long = "gc-interval", default_value = DEFAULT_GC_INTERVAL, value_parser = parse_duration)]
+    #[arg(long = "gc-interval", default_value = DEFAULT_GC_INTERVAL, value_parser = parse_duration, help_heading = CONTROLLER_FLAGS)]
     pub gc_interval: std::time::Duration,
 
     /// The longest the controller keeps a volume's filesystem frozen for a
@@ -248,7 +263,7 @@ pub struct Config {
     /// reflink; elsewhere (ext4) it lasts a full copy of the volume's data, and
     /// a copy that would take longer is stopped, its writers let go, and the
     /// call refused (FAILED_PRECONDITION). See `controller::quiesce`.
-    #[arg(long = "max-freeze", default_value = DEFAULT_MAX_FREEZE, value_parser = parse_max_freeze)]
+    #[arg(long = "max-freeze", default_value = DEFAULT_MAX_FREEZE, value_parser = parse_max_freeze, help_heading = CONTROLLER_FLAGS)]
     pub max_freeze: std::time::Duration,
 
     /// How long a fence keeps each device shrunk in place before it moves the
@@ -259,7 +274,8 @@ pub struct Config {
     /// period, 100 ms in Kubernetes) is reported done to the fenced node and
     /// is not in the volume. The counter fencecsi_driver_fence_late_writes_total
     /// shows when that happened: raise this then. Every fence takes this long
-    /// more.
+    /// more. Both plugins fence: the controller on detach, the node plugin its
+    /// own device when a fence overtook its attach.
     #[arg(long = "fence-settle", default_value = DEFAULT_FENCE_SETTLE, value_parser = parse_fence_settle)]
     pub fence_settle: std::time::Duration,
 
@@ -267,44 +283,35 @@ pub struct Config {
     /// fenced away from this node and force-releases them (mounts, globalmount dir, loop
     /// device). A pass also runs at start. "10s", "500ms", "2m" or plain seconds; 0 turns
     /// recovery off.
-    #[arg(long = "recover-interval", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long = "recover-interval", default_value = "10s", value_parser = parse_duration, help_heading = NODE_FLAGS)]
     pub recover_interval: std::time::Duration,
 
     /// Node return: once nothing fenced is left on this node, write the
     /// fencecsi.io/node-clean annotation on its Node object (podgc lifts the
     /// quarantine only after that). Needs a cluster client: in-cluster config,
     /// or --kubeconfig. Without it the report is only logged.
-    #[arg(long)]
+    #[arg(long, help_heading = NODE_FLAGS)]
     pub report_node_clean: bool,
 
     /// Name of this node's Node object, if it differs from --node-id.
-    #[arg(long, env = "NODE_NAME")]
+    #[arg(long, env = "NODE_NAME", help_heading = NODE_FLAGS)]
     pub node_name: Option<String>,
 
     /// The API server for --report-node-clean.
     #[command(flatten)]
     pub kube: fencecsi_cluster::cli::KubeArgs,
 
-    /// Controller plugin leadership (several replicas, one serving the state dir): see
-    /// `leadership`.
-    #[command(flatten)]
-    pub election: fencecsi_cluster::cli::LeaderElectionArgs,
-
-    /// This replica's name in the controller plugin's Lease.
-    #[command(flatten)]
-    pub identity: fencecsi_cluster::cli::IdentityArgs,
-
     /// Node-local state: the identity of the state dir this node last saw (node recovery
     /// refuses to act on another one). Must survive plugin restarts and must not lie in
     /// the state dir. Default: <kubelet-dir>/plugins/<driver-name> (the plugin's socket dir).
-    #[arg(long)]
+    #[arg(long, help_heading = NODE_FLAGS)]
     pub node_state_dir: Option<PathBuf>,
 
     /// Node recovery refuses to act unless --state-dir is a mount point. Set it when the
     /// state dir is a filesystem of its own on the host (a disk, a network mount) that may
     /// not be mounted yet. (Inside a container a hostPath is always a mount point; there
     /// the state dir's identity is what protects.)
-    #[arg(long)]
+    #[arg(long, help_heading = NODE_FLAGS)]
     pub state_dir_must_be_mount: bool,
 
     /// Serve /metrics (Prometheus, OpenMetrics text), /healthz and /readyz (what the
@@ -318,22 +325,50 @@ pub struct Config {
     /// ratio above 1 promises space that is not there: once the volumes are written, the
     /// filesystem fills up and writes inside pods fail. 1 (the default) promises only what
     /// every image can get when written in full. A number, at least 1.
-    #[arg(long, default_value_t = DEFAULT_OVERCOMMIT_RATIO, value_parser = parse_overcommit_ratio)]
+    #[arg(long, default_value_t = DEFAULT_OVERCOMMIT_RATIO, value_parser = parse_overcommit_ratio, help_heading = CONTROLLER_FLAGS)]
     pub overcommit_ratio: f64,
 
     /// Capacity: space of the state dir's filesystem never promised to volumes (metadata,
     /// the fence probe, fence markers, whatever else lives there): a share of the
     /// filesystem's size ("5%") or a size ("2GiB", "512MiB", "10G", plain bytes).
-    #[arg(long, default_value_t = DEFAULT_CAPACITY_RESERVE, value_parser = parse_reserve)]
+    #[arg(long, default_value_t = DEFAULT_CAPACITY_RESERVE, value_parser = parse_reserve, help_heading = CONTROLLER_FLAGS)]
     pub capacity_reserve: CapacityReserve,
 
     /// Where the kernel boot ID is read from (the topology value of a new state dir).
     /// Only tests change it, to fake a reboot.
     #[arg(long, default_value = crate::state_id::BOOT_ID_PATH, hide = true)]
     pub boot_id_file: PathBuf,
+
+    // Last: a flattened group's heading carries over to the fields after it.
+    /// Controller plugin leadership (several replicas, one serving the state dir): see
+    /// `leadership`.
+    #[command(flatten, next_help_heading = CONTROLLER_FLAGS)]
+    pub election: fencecsi_cluster::cli::LeaderElectionArgs,
+
+    /// This replica's name in the controller plugin's Lease.
+    #[command(flatten, next_help_heading = CONTROLLER_FLAGS)]
+    pub identity: fencecsi_cluster::cli::IdentityArgs,
 }
 
 impl Config {
+    /// Parses a command line (the program's name first), refusing a flag that the
+    /// chosen mode would ignore: a setting that silently does nothing is a setting the
+    /// operator believes in and does not have.
+    pub fn from_command_line<I, T>(args: I) -> Result<Config, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{CommandFactory, FromArgMatches};
+        let mut cmd = Config::command();
+        let matches = cmd.try_get_matches_from_mut(args)?;
+        let cfg = Config::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))?;
+        if let Some(why) = flag_the_mode_ignores(&cmd, &matches, cfg.mode) {
+            return Err(cmd.error(clap::error::ErrorKind::ArgumentConflict, why));
+        }
+        Ok(cfg)
+    }
+
     /// Checks what clap cannot: the endpoint scheme and the node ID.
     pub fn validate(&self) -> Result<(), String> {
         self.socket_path()?;
@@ -424,6 +459,32 @@ impl Config {
             boot_id_file: PathBuf::from(crate::state_id::BOOT_ID_PATH),
         }
     }
+}
+
+/// The first flag given on the command line whose heading names a mode other than
+/// `mode` (one given through the environment is left alone: a pod's environment is
+/// shared by its containers' conventions, not aimed at this one).
+fn flag_the_mode_ignores(
+    cmd: &clap::Command,
+    matches: &clap::ArgMatches,
+    mode: Mode,
+) -> Option<String> {
+    cmd.get_arguments().find_map(|arg| {
+        let (read, reader) = match arg.get_help_heading() {
+            Some(CONTROLLER_FLAGS) => (mode.controller(), "controller"),
+            Some(NODE_FLAGS) => (mode.node(), "node"),
+            _ => return None,
+        };
+        let given = matches.value_source(arg.get_id().as_str())
+            == Some(clap::parser::ValueSource::CommandLine);
+        (given && !read).then(|| {
+            format!(
+                "--{} is read by the {reader} plugin only, and this is --mode {}: drop it",
+                arg.get_long().unwrap_or_else(|| arg.get_id().as_str()),
+                mode.name()
+            )
+        })
+    })
 }
 
 #[cfg(test)]
@@ -554,6 +615,83 @@ mod tests {
                 Config::try_parse_from(base.iter().copied().chain([bad])).is_err(),
                 "{bad} accepted"
             );
+        }
+    }
+
+    #[test]
+    fn a_flag_the_mode_ignores_is_refused_and_named() {
+        let parse = |args: &[&str]| {
+            Config::from_command_line(["fencecsi-driver"].iter().chain(args))
+                .map_err(|e| e.to_string())
+        };
+        for (args, flag) in [
+            (
+                &["--mode=node", "--fence-settle=1s", "--gc-interval=5s"][..],
+                "--gc-interval",
+            ),
+            (
+                &["--mode=node", "--leader-election=true"][..],
+                "--leader-election",
+            ),
+            (
+                &["--mode=node", "--overcommit-ratio=2"][..],
+                "--overcommit-ratio",
+            ),
+            (
+                &["--mode=controller", "--recover-interval=5s"][..],
+                "--recover-interval",
+            ),
+            (
+                &["--mode=controller", "--kubelet-dir=/k"][..],
+                "--kubelet-dir",
+            ),
+            (&["--mode=controller", "--node-id=n1"][..], "--node-id"),
+        ] {
+            let err = parse(args).expect_err(flag);
+            assert!(
+                err.contains(flag) && err.contains("drop it"),
+                "{args:?}: {err}"
+            );
+        }
+        // Positive controls: each flag in a mode that reads it, and both in `all`.
+        let node = parse(&["--mode=node", "--recover-interval=5s", "--fence-settle=1s"]).unwrap();
+        assert_eq!(node.recover_interval, std::time::Duration::from_secs(5));
+        let ctl = parse(&["--mode=controller", "--gc-interval=5s"]).unwrap();
+        assert_eq!(ctl.gc_interval, std::time::Duration::from_secs(5));
+        let all = parse(&["--mode=all", "--gc-interval=5s", "--recover-interval=5s"]).unwrap();
+        assert_eq!(
+            (all.gc_interval, all.recover_interval),
+            (ctl.gc_interval, node.recover_interval)
+        );
+        // Every flag of one mode carries its heading, so --help says where it belongs.
+        let cmd = <Config as clap::CommandFactory>::command();
+        let heading = |long: &str| {
+            cmd.get_arguments()
+                .find(|a| a.get_long() == Some(long))
+                .and_then(|a| a.get_help_heading())
+        };
+        assert_eq!(
+            heading("leader-election-lease-duration"),
+            Some(CONTROLLER_FLAGS)
+        );
+        assert_eq!(heading("identity"), Some(CONTROLLER_FLAGS));
+        assert_eq!(heading("node-state-dir"), Some(NODE_FLAGS));
+        for shared in [
+            "endpoint",
+            "mode",
+            "state-dir",
+            "driver-name",
+            "max-volumes-per-node",
+            "default-fs-type",
+            "direct-io",
+            "advertise-extensions",
+            "log-format",
+            "fence-settle",
+            "kubeconfig",
+            "http-endpoint",
+            "boot-id-file",
+        ] {
+            assert_eq!(heading(shared), None, "--{shared} is read by both modes");
         }
     }
 

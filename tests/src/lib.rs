@@ -427,22 +427,27 @@ impl Process {
             });
         }
         cmd.arg("--endpoint").arg(&cfg.endpoint);
-        cmd.arg("--mode").arg(match cfg.mode {
-            Mode::Controller => "controller",
-            Mode::Node => "node",
-            Mode::All => "all",
-        });
-        if let Some(n) = &cfg.node_id {
-            cmd.arg("--node-id").arg(n);
+        cmd.arg("--mode").arg(cfg.mode.name());
+        cmd.arg("--state-dir").arg(&cfg.state_dir);
+        // Each mode's own flags only: the binary refuses the other mode's.
+        if cfg.mode.node() {
+            if let Some(n) = &cfg.node_id {
+                cmd.arg("--node-id").arg(n);
+            }
+            cmd.arg("--kubelet-dir").arg(&cfg.kubelet_dir);
+            if let Some(d) = &cfg.node_state_dir {
+                cmd.arg("--node-state-dir").arg(d);
+            }
+            if cfg.state_dir_must_be_mount {
+                cmd.arg("--state-dir-must-be-mount");
+            }
         }
-        cmd.arg("--state-dir")
-            .arg(&cfg.state_dir)
-            .arg("--kubelet-dir")
-            .arg(&cfg.kubelet_dir);
-        cmd.arg("--gc-interval")
-            .arg(format!("{}ms", cfg.gc_interval.as_millis()))
-            .arg("--max-freeze")
-            .arg(format!("{}ms", cfg.max_freeze.as_millis()));
+        if cfg.mode.controller() {
+            cmd.arg("--gc-interval")
+                .arg(format!("{}ms", cfg.gc_interval.as_millis()))
+                .arg("--max-freeze")
+                .arg(format!("{}ms", cfg.max_freeze.as_millis()));
+        }
         cmd.arg("--max-volumes-per-node")
             .arg(cfg.max_volumes_per_node.to_string())
             .arg("--default-fs-type")
@@ -453,12 +458,6 @@ impl Process {
             .arg(cfg.direct_io.to_string())
             .arg("--boot-id-file")
             .arg(&cfg.boot_id_file);
-        if let Some(d) = &cfg.node_state_dir {
-            cmd.arg("--node-state-dir").arg(d);
-        }
-        if cfg.state_dir_must_be_mount {
-            cmd.arg("--state-dir-must-be-mount");
-        }
         if let Some(a) = cfg.http_endpoint {
             cmd.arg("--http-endpoint").arg(a.to_string());
         }

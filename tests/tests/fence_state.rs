@@ -42,8 +42,6 @@ async fn stage_with(env: &Env, mut cmd: Command) -> Staged {
         .args(["--mode", "controller", "--endpoint", &cfg.endpoint])
         .arg("--state-dir")
         .arg(&cfg.state_dir)
-        .arg("--kubelet-dir")
-        .arg(&cfg.kubelet_dir)
         .stdin(Stdio::null())
         .spawn()
         .expect("the driver runs");

@@ -334,7 +334,7 @@ impl Node {
         // The full settle: the device may be one an earlier stage attached and
         // mounted (a repeated NodeStage finds it by its tag), with writes in flight.
         if same_inode {
-            let settle = crate::fence::SETTLE;
+            let settle = self.cfg.fence_settle;
             if let Err(e) = crate::fence::fence_devices(image, data_bytes, &mine, settle) {
                 tracing::error!(volume = %id, generation = gen, device = %lo.device.display(), error = %e, "could not fence this node's device on a fenced generation");
             }
