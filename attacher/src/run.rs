@@ -199,6 +199,29 @@ async fn resync_loop(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
     }
 }
 
+/// Mirrors the election's health into the status (what /healthz reports) for as long
+/// as the election runs.
+fn watch_election_health(
+    handle: std::sync::Weak<LeaderHandle>,
+    status: watch::Sender<Status>,
+    period: Duration,
+) {
+    tokio::spawn(async move {
+        while let Some(h) = handle.upgrade() {
+            let failing = !h.healthy();
+            drop(h);
+            status.send_if_modified(|s| {
+                std::mem::replace(&mut s.election_failing, failing) != failing
+            });
+            if failing {
+                tracing::error!("leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
+            }
+            // Re-checked often enough to notice a short test limit too.
+            tokio::time::sleep(period).await;
+        }
+    });
+}
+
 /// Leadership as seen by this instance.
 struct Leadership {
     handle: Option<Arc<LeaderHandle>>,
@@ -206,6 +229,35 @@ struct Leadership {
 }
 
 impl Leadership {
+    /// Joins the election when one is configured (and reports its health), or leads alone.
+    fn start(
+        cluster: &Cluster,
+        cfg: &Config,
+        driver: &str,
+        status: &watch::Sender<Status>,
+    ) -> Result<Leadership, Error> {
+        let Some(le) = cfg
+            .leader_election
+            .config(&lease_name_for(driver), &cfg.identity)
+        else {
+            return Ok(Leadership {
+                handle: None,
+                poll: Duration::from_millis(100),
+            });
+        };
+        let elector = LeaderElector::new(cluster, le.clone())?;
+        tracing::info!(namespace = %le.namespace, lease = %le.lease_name, identity = %cfg.identity, "leader election on");
+        let check_period =
+            (le.unhealthy_after / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        let handle = Arc::new(elector.spawn());
+        watch_election_health(Arc::downgrade(&handle), status.clone(), check_period);
+        Ok(Leadership {
+            handle: Some(handle),
+            poll: (le.retry_period / 4)
+                .clamp(Duration::from_millis(10), Duration::from_millis(100)),
+        })
+    }
+
     fn is_leader(&self) -> bool {
         self.handle.as_ref().is_none_or(|h| h.is_leader())
     }
@@ -251,49 +303,70 @@ pub(crate) async fn run(
         s.phase = Phase::Starting;
         s.identity = cfg.identity.clone();
     });
-    let http = match &cfg.http_endpoint {
-        Some(endpoint) => {
-            let report = Arc::new(http::Report {
-                metrics: metrics.clone(),
-                status: status.subscribe(),
-            });
-            let server = fencecsi_cluster::http::start(endpoint, report)
-                .await
-                .map_err(|source| Error::Http {
-                    endpoint: *endpoint,
-                    source,
-                })?;
-            status.send_modify(|s| s.http_addr = Some(server.local_addr()));
-            Some(server)
-        }
-        None => None,
-    };
-
+    let http = start_http(&cfg, &metrics, &status).await?;
     let csi = Csi::new(&cfg.csi_socket, cfg.timeout);
+    let (driver, caps) = tokio::select! {
+        _ = &mut shutdown => return finish(status, http).await,
+        found = find_plugin(&csi, &cfg) => found,
+    };
+    report_plugin(&cfg, &driver, caps, &status);
+    let leadership = Arc::new(Leadership::start(&cluster, &cfg, &driver, &status)?);
+    let ctx = context(&cluster, &cfg, &metrics, &leadership, driver, csi, caps);
+    serve_while_leading(&ctx, &leadership, &metrics, &status, &mut shutdown).await;
+    status.send_modify(|s| s.phase = Phase::Stopping);
+    metrics.set_active(false);
+    drop(ctx);
+    release_lease(leadership).await;
+    finish(status, http).await
+}
+
+/// The HTTP endpoint (metrics, health), when one is asked for.
+async fn start_http(
+    cfg: &Config,
+    metrics: &Arc<Metrics>,
+    status: &watch::Sender<Status>,
+) -> Result<Option<HttpServer>, Error> {
+    let Some(endpoint) = &cfg.http_endpoint else {
+        return Ok(None);
+    };
+    let report = Arc::new(http::Report {
+        metrics: metrics.clone(),
+        status: status.subscribe(),
+    });
+    let server = fencecsi_cluster::http::start(endpoint, report)
+        .await
+        .map_err(|source| Error::Http {
+            endpoint: *endpoint,
+            source,
+        })?;
+    status.send_modify(|s| s.http_addr = Some(server.local_addr()));
+    Ok(Some(server))
+}
+
+/// Waits until the plugin answers with its name and capabilities, retrying with a
+/// bounded backoff.
+async fn find_plugin(csi: &Csi, cfg: &Config) -> (String, Capabilities) {
     let mut failures = 0;
-    let (driver, caps) = loop {
+    loop {
         let attempt = async {
             let name = csi.plugin_name().await?;
             let caps = csi.capabilities().await?;
             Ok::<(String, Capabilities), tonic::Status>((name, caps))
         };
-        let r = tokio::select! {
-            _ = &mut shutdown => return finish(status, http).await,
-            r = attempt => r,
-        };
-        match r {
-            Ok(x) => break x,
+        match attempt.await {
+            Ok(found) => return found,
             Err(e) => {
                 failures += 1;
                 let d = cfg.backoff.delay(failures).min(STARTUP_RETRY_MAX);
                 tracing::warn!(socket = %cfg.csi_socket.display(), code = ?e.code(), error = %e.message(), retry_in = ?d, "waiting for the CSI plugin");
-                tokio::select! {
-                    _ = &mut shutdown => return finish(status, http).await,
-                    _ = tokio::time::sleep(d) => {}
-                }
+                tokio::time::sleep(d).await;
             }
         }
-    };
+    }
+}
+
+/// Logs what the plugin offers (and what that means for the fence) and records it.
+fn report_plugin(cfg: &Config, driver: &str, caps: Capabilities, status: &watch::Sender<Status>) {
     tracing::info!(driver = %driver, publish_unpublish = caps.publish_unpublish, unpublish_fence = caps.unpublish_fence, fence = %cfg.fence, "CSI plugin found");
     if cfg.fence == FencePolicy::Always && !caps.unpublish_fence {
         tracing::warn!("--fence=always, but the plugin does not advertise UNPUBLISH_FENCE: detaches will not be fenced");
@@ -302,63 +375,33 @@ pub(crate) async fn run(
         tracing::warn!("the plugin has no PUBLISH_UNPUBLISH_VOLUME: VolumeAttachments are marked attached and detached without CSI calls");
     }
     status.send_modify(|s| {
-        s.driver = Some(driver.clone());
+        s.driver = Some(driver.to_string());
         s.capabilities = Some(caps);
     });
+}
 
-    let leadership = match cfg
-        .leader_election
-        .config(&lease_name_for(&driver), &cfg.identity)
-    {
-        Some(le) => {
-            let elector = LeaderElector::new(&cluster, le.clone())?;
-            tracing::info!(namespace = %le.namespace, lease = %le.lease_name, identity = %cfg.identity, "leader election on");
-            let le_check_period =
-                (le.unhealthy_after / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
-            let handle = Arc::new(elector.spawn());
-            {
-                let (h, status) = (Arc::downgrade(&handle), status.clone());
-                tokio::spawn(async move {
-                    while let Some(h) = h.upgrade() {
-                        let failing = !h.healthy();
-                        drop(h);
-                        status.send_if_modified(|s| {
-                            std::mem::replace(&mut s.election_failing, failing) != failing
-                        });
-                        if failing {
-                            tracing::error!("leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
-                        }
-                        // Re-checked often enough to notice a short test limit too.
-                        tokio::time::sleep(le_check_period).await;
-                    }
-                });
-            }
-            Leadership {
-                handle: Some(handle),
-                poll: (le.retry_period / 4)
-                    .clamp(Duration::from_millis(10), Duration::from_millis(100)),
-            }
-        }
-        None => Leadership {
-            handle: None,
-            poll: Duration::from_millis(100),
-        },
-    };
-    let leadership = Arc::new(leadership);
+fn context(
+    cluster: &Cluster,
+    cfg: &Config,
+    metrics: &Arc<Metrics>,
+    leadership: &Arc<Leadership>,
+    driver: String,
+    csi: Csi,
+    caps: Capabilities,
+) -> Arc<Ctx> {
     let may_act: Arc<dyn Fn() -> bool + Send + Sync> = {
         let l = leadership.clone();
         Arc::new(move || l.is_leader())
     };
-
     let (cache, cache_writer) = reflector::store();
-    let ctx = Arc::new(Ctx {
+    Arc::new(Ctx {
         finalizer: well_known::attacher_finalizer(&driver),
         driver,
         csi,
         caps: RwLock::new(caps),
         metrics: metrics.clone(),
         events: Arc::new(EventRecorder::new(
-            &cluster,
+            cluster,
             REPORTING_CONTROLLER,
             &cfg.identity,
         )),
@@ -371,22 +414,33 @@ pub(crate) async fn run(
         listed: Default::default(),
         may_act,
         cfg: cfg.clone(),
-    });
+    })
+}
 
+/// Works while leading (always, without an election), stands by otherwise, until
+/// `shutdown`: then finishes in-flight operations within the grace.
+async fn serve_while_leading(
+    ctx: &Arc<Ctx>,
+    leadership: &Leadership,
+    metrics: &Metrics,
+    status: &watch::Sender<Status>,
+    shutdown: &mut std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+) {
+    let cfg = &ctx.cfg;
     loop {
         if leadership.handle.is_some() {
             status.send_modify(|s| s.phase = Phase::Standby);
             tokio::select! {
-                _ = &mut shutdown => break,
+                _ = &mut *shutdown => return,
                 _ = leadership.acquired() => {}
             }
             tracing::info!(identity = %cfg.identity, "leading: starting work");
         }
         status.send_modify(|s| s.phase = Phase::Active);
         metrics.set_active(true);
-        let session = Session::start(&ctx);
+        let session = Session::start(ctx);
         let stop = tokio::select! {
-            _ = &mut shutdown => true,
+            _ = &mut *shutdown => true,
             _ = leadership.lost() => false,
         };
         if stop {
@@ -394,16 +448,17 @@ pub(crate) async fn run(
             tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: finishing in-flight operations");
             session.stop(cfg.shutdown_grace).await;
             metrics.set_active(false);
-            break;
+            return;
         }
         tracing::warn!("lost leadership: stopping work at once");
         session.abort().await;
         metrics.set_active(false);
     }
+}
 
-    status.send_modify(|s| s.phase = Phase::Stopping);
-    metrics.set_active(false);
-    drop(ctx);
+/// Gives the Lease up at exit, so a standby takes over at once instead of after its
+/// duration.
+async fn release_lease(leadership: Arc<Leadership>) {
     let leadership = Arc::try_unwrap(leadership).ok();
     if let Some(handle) = leadership.and_then(|l| l.handle) {
         match Arc::try_unwrap(handle) {
@@ -414,7 +469,6 @@ pub(crate) async fn run(
             Err(_) => tracing::warn!("lease still shared at exit; not released"),
         }
     }
-    finish(status, http).await
 }
 
 async fn finish(status: watch::Sender<Status>, http: Option<HttpServer>) -> Result<(), Error> {
