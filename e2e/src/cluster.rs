@@ -284,4 +284,34 @@ impl Cluster {
     pub fn logs_dir(&self) -> &Path {
         &self.run_dir
     }
+
+    /// Copies every log (control plane, each node's daemons and pod logs) beside the run
+    /// directory before the teardown removes it.
+    pub fn save_logs(&self) {
+        let dst = self.run_dir.with_file_name(format!(
+            "{}-logs",
+            self.run_dir
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+        ));
+        let _ = std::fs::create_dir_all(&dst);
+        let mut srcs = vec![self.run_dir.join("control-plane").join("logs")];
+        for n in &self.nodes {
+            srcs.push(n.spec.own_logs());
+            srcs.push(n.spec.log_dir());
+        }
+        for s in srcs {
+            let name = s
+                .strip_prefix(&self.run_dir)
+                .map(|p| p.to_string_lossy().replace('/', "-"))
+                .unwrap_or_default();
+            let _ = std::process::Command::new("cp")
+                .arg("-a")
+                .arg(&s)
+                .arg(dst.join(name))
+                .status();
+        }
+        say(format!("logs saved in {}", dst.display()));
+    }
 }

@@ -152,18 +152,23 @@ fn systemctl_script(pid_file: &Path, log: &Path, kubelet: &[String]) -> String {
         r#"#!/bin/sh
 # systemctl of a fencecsi e2e node: one unit, kubelet.
 pid_file={pid_file}
-# A kubelet that died unreaped (a zombie) still reads "kubelet" in comm: not running.
+# A kubelet that died unreaped (a zombie) still reads "kubelet" as its name: not running.
+# Name and state come from one read of its status, so a process reaped between two
+# reads cannot look alive.
 running() {{
-  pid=$(cat "$pid_file" 2>/dev/null) && [ -n "$pid" ] &&
-    [ "$(cat /proc/$pid/comm 2>/dev/null)" = kubelet ] &&
-    ! grep -q '^State:[[:space:]]*Z' /proc/$pid/status 2>/dev/null
+  pid=$(cat "$pid_file" 2>/dev/null) && [ -n "$pid" ] || return 1
+  status=$(cat "/proc/$pid/status" 2>/dev/null) || return 1
+  printf '%s\n' "$status" | grep -q '^Name:[[:space:]]*kubelet$' &&
+    ! printf '%s\n' "$status" | grep -q '^State:[[:space:]]*Z'
 }}
+# A kubelet that ends between the check and the signal is what stop wants.
 stop() {{
   running || return 0
-  kill -TERM "$pid"
+  kill -TERM "$pid" 2>/dev/null
   i=0
   while running && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
-  if running; then kill -KILL "$pid"; fi
+  if running; then kill -KILL "$pid" 2>/dev/null; fi
+  ! running
 }}
 # The kubelet runs under a shell of its own that waits for it, so it is reaped when it
 # ends (the node's PID 1 reaps nothing).
@@ -207,5 +212,70 @@ mod tests {
         );
         assert!(s.contains("\"$pid_file\" '/bin/kubelet' '--v=2' >>'/n/kubelet.log'"));
         assert!(s.contains(r#""show kubelet")"#));
+    }
+
+    /// The script on real processes: a "kubelet" (a copy of sleep under that name) is
+    /// started, seen, stopped and seen stopped, several times over; a stop of a stopped
+    /// unit succeeds.
+    #[test]
+    fn the_script_starts_and_stops_a_kubelet() {
+        /// Stops whatever the test started and removes its directory, also on failure.
+        struct Scratch(PathBuf);
+        impl Drop for Scratch {
+            fn drop(&mut self) {
+                let _ = Command::new(self.0.join("systemctl"))
+                    .args(["stop", "kubelet"])
+                    .status();
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let dir = Scratch(
+            std::env::temp_dir().join(format!("fencecsi-systemctl-{}", std::process::id())),
+        );
+        std::fs::create_dir_all(&dir.0).unwrap();
+        let kubelet = dir.0.join("kubelet");
+        std::fs::copy("/bin/sleep", &kubelet).unwrap();
+        let script = dir.0.join("systemctl");
+        let pid_file = dir.0.join("kubelet.pid");
+        write_executable(
+            &script,
+            &systemctl_script(
+                &pid_file,
+                &dir.0.join("kubelet.log"),
+                &[kubelet.display().to_string(), "600".into()],
+            ),
+        )
+        .unwrap();
+        let ctl = |verb: &str| {
+            let out = Command::new(&script)
+                .args([verb, "kubelet"])
+                .output()
+                .unwrap();
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).trim().to_string(),
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            )
+        };
+        for round in 0..5 {
+            assert_eq!(ctl("show").1, "inactive", "round {round}");
+            assert!(ctl("start").0, "round {round}");
+            assert_eq!(ctl("show").1, "active", "round {round}");
+            let pid: i32 = std::fs::read_to_string(&pid_file)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            let (ok, _, err) = ctl("stop");
+            assert!(ok && err.is_empty(), "round {round}: stop failed: {err}");
+            assert_eq!(ctl("show").1, "inactive", "round {round}");
+            assert!(
+                std::fs::read_to_string(format!("/proc/{pid}/status")).map_or(true, |s| s
+                    .lines()
+                    .any(|l| l.starts_with("State:") && l.contains('Z'))),
+                "round {round}: the kubelet outlived its stop"
+            );
+        }
+        assert!(ctl("stop").0, "stopping a stopped unit");
     }
 }

@@ -43,7 +43,7 @@ fn run(inputs: &inputs::Inputs, td: &Teardown) -> Result<()> {
     // Logs of a failed run are kept; FENCECSI_E2E_KEEP_LOGS=1 keeps them always.
     let keep = outcome.is_err() || std::env::var("FENCECSI_E2E_KEEP_LOGS").is_ok_and(|v| v == "1");
     if keep && !td.is_closed() {
-        save_logs(&c);
+        c.save_logs();
     }
     outcome
 }
@@ -135,31 +135,4 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
     let names: Vec<String> = c.nodes.iter().map(|n| n.spec.name.clone()).collect();
     c.wait_nodes_ready(&names, Duration::from_secs(60))?;
     Ok(())
-}
-
-/// Copies every log (control plane, each node's daemons and pod logs) beside the run
-/// directory before the teardown removes it.
-fn save_logs(c: &Cluster) {
-    let dst = c.run_dir.with_file_name(format!(
-        "{}-logs",
-        c.run_dir.file_name().unwrap_or_default().to_string_lossy()
-    ));
-    let _ = std::fs::create_dir_all(&dst);
-    let mut srcs = vec![c.run_dir.join("control-plane").join("logs")];
-    for n in &c.nodes {
-        srcs.push(n.spec.dir.join("logs"));
-        srcs.push(n.spec.log_dir());
-    }
-    for s in srcs {
-        let name = s
-            .strip_prefix(&c.run_dir)
-            .map(|p| p.to_string_lossy().replace('/', "-"))
-            .unwrap_or_default();
-        let _ = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(&s)
-            .arg(dst.join(name))
-            .status();
-    }
-    say(format!("logs saved in {}", dst.display()));
 }

@@ -76,13 +76,16 @@ fn run(
     install::wait_installed(&c)?;
     snapshot::install(&c, manifests)?;
     let access = node_access::open(&c, td)?;
-    let mut outcomes = Vec::new();
-    for def in &definitions {
-        let o = upstream::run(&c, suite, def, Some(&access), td)?;
-        say(format!("upstream {}: {}", def.name, o.json()));
-        fencecsi_e2e::record_result(&c, "upstream-results.jsonl", &o.json())?;
-        outcomes.push(o);
+    let outcomes = run_definitions(&c, suite, &definitions, &access, td);
+    // Logs of a failed run are kept; FENCECSI_E2E_KEEP_LOGS=1 keeps them always.
+    let keep = !outcomes
+        .as_ref()
+        .is_ok_and(|o| o.iter().all(|o| o.failed.is_empty()))
+        || std::env::var("FENCECSI_E2E_KEEP_LOGS").is_ok_and(|v| v == "1");
+    if keep && !td.is_closed() {
+        c.save_logs();
     }
+    let outcomes = outcomes?;
     let failed: Vec<String> = outcomes
         .iter()
         .flat_map(|o| {
@@ -98,4 +101,21 @@ fn run(
         failed.join("\n  ")
     );
     Ok(())
+}
+
+fn run_definitions(
+    c: &cluster::Cluster,
+    suite: &std::path::Path,
+    definitions: &[upstream::Definition],
+    access: &node_access::Access,
+    td: &Teardown,
+) -> Result<Vec<upstream::Outcome>> {
+    let mut outcomes = Vec::new();
+    for def in definitions {
+        let o = upstream::run(c, suite, def, Some(access), td)?;
+        say(format!("upstream {}: {}", def.name, o.json()));
+        fencecsi_e2e::record_result(c, "upstream-results.jsonl", &o.json())?;
+        outcomes.push(o);
+    }
+    Ok(outcomes)
 }
