@@ -65,6 +65,16 @@ impl Board {
     }
 }
 
+/// A pod's volume as the kubelet stages and publishes it.
+struct AttachedVolume {
+    pv_name: String,
+    handle: String,
+    publish_context: HashMap<String, String>,
+    volume_context: HashMap<String, String>,
+    generation: u64,
+    cap: csi::VolumeCapability,
+}
+
 struct Started {
     container: Container,
     handle: String,
@@ -301,10 +311,66 @@ impl Ctx {
         let uid = p.metadata.uid.clone().unwrap_or_default();
         let name = p.metadata.name.clone().unwrap_or_default();
         let ns = p.metadata.namespace.clone().unwrap_or_default();
+        let v = self.attached_volume(p, &ns).await?;
+        let staging = staging_path(&self.dir, &v.handle);
+        if !st.staged.contains_key(&v.handle) {
+            self.report_in_use(st, Some(&v.handle)).await?;
+            self.stage(&v, &staging).await?;
+            st.staged.insert(v.handle.clone(), staging.clone());
+            self.progress.say(format!(
+                "kubelet {}: staged {} (generation {})",
+                self.node, v.pv_name, v.generation
+            ));
+        }
+        let pod_dir = self.dir.join("pods").join(&uid);
+        let target = pod_dir
+            .join("volumes/kubernetes.io~csi")
+            .join(&v.pv_name)
+            .join("mount");
+        std::fs::create_dir_all(target.parent().unwrap())?;
+        self.publish(&v, &staging, &target).await?;
+        let file = target.join(RECORDS_FILE);
+        let found = std::fs::read(&file).unwrap_or_default();
+        let container = Container::spawn(&self.procs, &self.exe, &file, self.interval_ms)?;
+        self.board.published.lock().unwrap().push(Published {
+            pod: name.clone(),
+            uid: uid.clone(),
+            node: self.node.clone(),
+            pv: v.pv_name.clone(),
+            handle: v.handle.clone(),
+            generation: v.generation,
+            target: target.clone(),
+            found: Arc::new(found),
+            acked: container.acked.clone(),
+            errors: container.errors.clone(),
+            resumed_at: container.started_at_seq.clone(),
+        });
+        st.started.insert(
+            uid.clone(),
+            Started {
+                container,
+                handle: v.handle.clone(),
+                volume_id: v.handle.clone(),
+                target,
+                pod_dir,
+            },
+        );
+        self.progress.say(format!(
+            "kubelet {}: published {} for pod {name} (uid {}), container started",
+            self.node,
+            v.pv_name,
+            &uid[..8.min(uid.len())]
+        ));
+        self.mark_running(&ns, &name, &uid).await
+    }
+
+    /// The pod's volume, once its claim is bound and its VolumeAttachment attached to
+    /// this node; an error says what is still awaited.
+    async fn attached_volume(&self, p: &Pod, ns: &str) -> anyhow::Result<AttachedVolume> {
         let claim = claim_of(p).ok_or_else(|| anyhow!("no PVC volume"))?;
         let pvc = self
             .cluster
-            .api::<PersistentVolumeClaim>(Some(&ns))
+            .api::<PersistentVolumeClaim>(Some(ns))
             .get_opt(&claim)
             .await?
             .ok_or_else(|| anyhow!("waiting for PVC {claim}"))?;
@@ -341,107 +407,83 @@ impl Ctx {
         if !status.attached || va.metadata.deletion_timestamp.is_some() {
             return Err(anyhow!("waiting for attach"));
         }
-        let ctx: HashMap<String, String> = status
+        let publish_context: HashMap<String, String> = status
             .attachment_metadata
             .unwrap_or_default()
             .into_iter()
             .collect();
-        let generation: u64 = ctx
+        let generation: u64 = publish_context
             .get(fencecsi_driver::terms::CTX_GENERATION)
             .and_then(|g| g.parse().ok())
             .unwrap_or(0);
-        let cap = mount_cap(
-            Access::SingleNodeWriter,
-            csi_src.fs_type.as_deref().unwrap_or("ext4"),
-        );
-        let vctx: HashMap<String, String> = csi_src
-            .volume_attributes
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        let staging = staging_path(&self.dir, &handle);
-        if !st.staged.contains_key(&handle) {
-            self.report_in_use(st, Some(&handle)).await?;
-            retry_aborted(|| {
-                let mut c = self.client.clone();
-                let req = csi::NodeStageVolumeRequest {
-                    volume_id: handle.clone(),
-                    publish_context: ctx.clone(),
-                    staging_target_path: staging.to_string_lossy().into(),
-                    volume_capability: Some(cap.clone()),
-                    volume_context: vctx.clone(),
-                    ..Default::default()
-                };
-                async move { c.node.node_stage_volume(req).await }
-            })
-            .await
-            .context("NodeStageVolume")?;
-            st.staged.insert(handle.clone(), staging.clone());
-            self.progress.say(format!(
-                "kubelet {}: staged {pv_name} (generation {generation})",
-                self.node
-            ));
-        }
-        let pod_dir = self.dir.join("pods").join(&uid);
-        let target = pod_dir
-            .join("volumes/kubernetes.io~csi")
-            .join(&pv_name)
-            .join("mount");
-        std::fs::create_dir_all(target.parent().unwrap())?;
+        Ok(AttachedVolume {
+            cap: mount_cap(
+                Access::SingleNodeWriter,
+                csi_src.fs_type.as_deref().unwrap_or("ext4"),
+            ),
+            volume_context: csi_src
+                .volume_attributes
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .collect(),
+            pv_name,
+            handle,
+            publish_context,
+            generation,
+        })
+    }
+
+    async fn stage(&self, v: &AttachedVolume, staging: &Path) -> anyhow::Result<()> {
+        retry_aborted(|| {
+            let mut c = self.client.clone();
+            let req = csi::NodeStageVolumeRequest {
+                volume_id: v.handle.clone(),
+                publish_context: v.publish_context.clone(),
+                staging_target_path: staging.to_string_lossy().into(),
+                volume_capability: Some(v.cap.clone()),
+                volume_context: v.volume_context.clone(),
+                ..Default::default()
+            };
+            async move { c.node.node_stage_volume(req).await }
+        })
+        .await
+        .context("NodeStageVolume")?;
+        Ok(())
+    }
+
+    async fn publish(
+        &self,
+        v: &AttachedVolume,
+        staging: &Path,
+        target: &Path,
+    ) -> anyhow::Result<()> {
         retry_aborted(|| {
             let mut c = self.client.clone();
             let req = csi::NodePublishVolumeRequest {
-                volume_id: handle.clone(),
-                publish_context: ctx.clone(),
+                volume_id: v.handle.clone(),
+                publish_context: v.publish_context.clone(),
                 staging_target_path: staging.to_string_lossy().into(),
                 target_path: target.to_string_lossy().into(),
-                volume_capability: Some(cap.clone()),
-                volume_context: vctx.clone(),
+                volume_capability: Some(v.cap.clone()),
+                volume_context: v.volume_context.clone(),
                 ..Default::default()
             };
             async move { c.node.node_publish_volume(req).await }
         })
         .await
         .context("NodePublishVolume")?;
-        let file = target.join(RECORDS_FILE);
-        let found = std::fs::read(&file).unwrap_or_default();
-        let container = Container::spawn(&self.procs, &self.exe, &file, self.interval_ms)?;
-        self.board.published.lock().unwrap().push(Published {
-            pod: name.clone(),
-            uid: uid.clone(),
-            node: self.node.clone(),
-            pv: pv_name.clone(),
-            handle: handle.clone(),
-            generation,
-            target: target.clone(),
-            found: Arc::new(found),
-            acked: container.acked.clone(),
-            errors: container.errors.clone(),
-            resumed_at: container.started_at_seq.clone(),
-        });
-        st.started.insert(
-            uid.clone(),
-            Started {
-                container,
-                handle: handle.clone(),
-                volume_id: handle.clone(),
-                target,
-                pod_dir,
-            },
-        );
-        self.progress.say(format!(
-            "kubelet {}: published {pv_name} for pod {name} (uid {}), container started",
-            self.node,
-            &uid[..8.min(uid.len())]
-        ));
-        // Running + Ready.
-        let pods = self.cluster.api::<Pod>(Some(&ns));
+        Ok(())
+    }
+
+    /// Running + Ready, unless the pod is gone or was replaced meanwhile.
+    async fn mark_running(&self, ns: &str, name: &str, uid: &str) -> anyhow::Result<()> {
+        let pods = self.cluster.api::<Pod>(Some(ns));
         for _ in 0..5 {
-            let Some(mut cur) = pods.get_opt(&name).await? else {
+            let Some(mut cur) = pods.get_opt(name).await? else {
                 break;
             };
-            if cur.metadata.uid.as_deref() != Some(uid.as_str()) {
+            if cur.metadata.uid.as_deref() != Some(uid) {
                 break;
             }
             cur.status = Some(PodStatus {

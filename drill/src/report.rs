@@ -142,6 +142,22 @@ impl Report {
     }
 
     pub fn print(&self, p: &Progress) {
+        self.print_timeline(p);
+        self.print_figures(p);
+        self.print_comparison(p);
+        p.raw("");
+        p.raw(format!(
+            "Cleanup: {} mount(s), {} loop device(s), {} writer(s) left; env {}",
+            self.leftover_mounts, self.leftover_loop_devices, self.writers_left, self.env_dir
+        ));
+        if self.ok {
+            p.raw(format!("RESULT: PASS ({:.1} s)", self.duration_s));
+        } else {
+            p.raw(format!("RESULT: FAIL: {}", self.failures.join("; ")));
+        }
+    }
+
+    fn print_timeline(&self, p: &Progress) {
         p.raw("");
         p.raw("Timeline (seconds since start; Δ from NotReady)");
         p.raw(format!(
@@ -161,6 +177,9 @@ impl Report {
                 e.step.describe()
             ));
         }
+    }
+
+    fn print_figures(&self, p: &Progress) {
         p.raw("");
         p.raw(format!(
             "Figures ({} node(s), {} volume(s), {})",
@@ -207,6 +226,9 @@ impl Report {
                 u.warning_event.as_deref().unwrap_or("none")
             ));
         }
+    }
+
+    fn print_comparison(&self, p: &Progress) {
         if let Some(c) = &self.comparison {
             p.raw("");
             p.raw("Compared with plain Kubernetes (same timeline: from the node's shutdown)");
@@ -229,16 +251,6 @@ impl Report {
                 c.fencecsi_projected_production_s,
                 c.ratio
             ));
-        }
-        p.raw("");
-        p.raw(format!(
-            "Cleanup: {} mount(s), {} loop device(s), {} writer(s) left; env {}",
-            self.leftover_mounts, self.leftover_loop_devices, self.writers_left, self.env_dir
-        ));
-        if self.ok {
-            p.raw(format!("RESULT: PASS ({:.1} s)", self.duration_s));
-        } else {
-            p.raw(format!("RESULT: FAIL: {}", self.failures.join("; ")));
         }
     }
 }

@@ -116,26 +116,52 @@ async fn provision(
     let claim = pvc.metadata.name.clone().unwrap_or_default();
     let uid = pvc.metadata.uid.clone().unwrap_or_default();
     let pv_name = format!("pvc-{uid}");
-    // As external-provisioner does: the filesystem named by the class goes into the
-    // capability (and the PV), and its reserved `csi.storage.k8s.io/` keys never reach
-    // CreateVolume, so the driver learns the filesystem from the capability alone.
-    let fs = sc
-        .parameters
+    let fs = class_fs_type(sc);
+    let vol = create_volume(controller, sc, &pv_name, &fs, size).await?;
+    let pv = persistent_volume(sc, &pv_name, &fs, &vol, pvc);
+    match cluster.api::<PersistentVolume>(None).create(&pv).await {
+        Ok(_) => {}
+        Err(e) if e.is_already_exists() => {}
+        Err(e) => return Err(e.into()),
+    }
+    bind_claim(cluster, &ns, &claim, &pv_name).await?;
+    progress.say(format!(
+        "provisioner: {ns}/{claim} bound to {pv_name} (CreateVolume → {}, {fs}, {} MiB)",
+        vol.volume_id,
+        vol.capacity_bytes >> 20
+    ));
+    Ok(())
+}
+
+/// As external-provisioner does: the filesystem named by the class goes into the
+/// capability (and the PV), and its reserved `csi.storage.k8s.io/` keys never reach
+/// CreateVolume, so the driver learns the filesystem from the capability alone.
+fn class_fs_type(sc: &StorageClass) -> String {
+    sc.parameters
         .iter()
         .find(|(k, _)| k.as_str() == FSTYPE_PARAM || k.eq_ignore_ascii_case("fstype"))
         .map(|(_, v)| v.clone())
-        .unwrap_or_else(|| "ext4".into());
+        .unwrap_or_else(|| "ext4".into())
+}
+
+async fn create_volume(
+    controller: &CsiClient,
+    sc: &StorageClass,
+    name: &str,
+    fs: &str,
+    size: i64,
+) -> anyhow::Result<csi::Volume> {
     let parameters: std::collections::HashMap<String, String> = sc
         .parameters
         .iter()
         .filter(|(k, _)| !k.starts_with(RESERVED_PARAM_PREFIX))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let cap = mount_cap(Access::SingleNodeWriter, &fs);
-    let vol = retry_aborted(|| {
+    let cap = mount_cap(Access::SingleNodeWriter, fs);
+    retry_aborted(|| {
         let mut c = controller.clone();
         let req = csi::CreateVolumeRequest {
-            name: pv_name.clone(),
+            name: name.to_string(),
             capacity_range: Some(csi::CapacityRange {
                 required_bytes: size,
                 limit_bytes: 0,
@@ -150,10 +176,20 @@ async fn provision(
     .context("CreateVolume")?
     .into_inner()
     .volume
-    .ok_or_else(|| anyhow!("CreateVolume returned no volume"))?;
-    let pv = PersistentVolume {
+    .ok_or_else(|| anyhow!("CreateVolume returned no volume"))
+}
+
+/// The PV of `vol`, bound ahead to its claim, as external-provisioner writes it.
+fn persistent_volume(
+    sc: &StorageClass,
+    name: &str,
+    fs: &str,
+    vol: &csi::Volume,
+    pvc: &PersistentVolumeClaim,
+) -> PersistentVolume {
+    PersistentVolume {
         metadata: ObjectMeta {
-            name: Some(pv_name.clone()),
+            name: Some(name.to_string()),
             annotations: Some(
                 [(
                     "pv.kubernetes.io/provisioned-by".to_string(),
@@ -176,41 +212,35 @@ async fn provision(
             persistent_volume_reclaim_policy: Some("Delete".into()),
             claim_ref: Some(ObjectReference {
                 kind: Some("PersistentVolumeClaim".into()),
-                namespace: Some(ns.clone()),
-                name: Some(claim.clone()),
-                uid: Some(uid.clone()),
+                namespace: Some(pvc.metadata.namespace.clone().unwrap_or_default()),
+                name: Some(pvc.metadata.name.clone().unwrap_or_default()),
+                uid: Some(pvc.metadata.uid.clone().unwrap_or_default()),
                 ..Default::default()
             }),
             csi: Some(CSIPersistentVolumeSource {
                 driver: sc.provisioner.clone(),
                 volume_handle: vol.volume_id.clone(),
-                fs_type: Some(fs.clone()),
+                fs_type: Some(fs.to_string()),
                 volume_attributes: Some(vol.volume_context.clone().into_iter().collect()),
                 ..Default::default()
             }),
             ..Default::default()
         }),
         status: None,
-    };
-    match cluster.api::<PersistentVolume>(None).create(&pv).await {
-        Ok(_) => {}
-        Err(e) if e.is_already_exists() => {}
-        Err(e) => return Err(e.into()),
     }
-    let pvcs = cluster.api::<PersistentVolumeClaim>(Some(&ns));
-    let mut cur = pvcs.get(&claim).await?;
-    cur.spec.get_or_insert_with(Default::default).volume_name = Some(pv_name.clone());
+}
+
+/// Names the PV in the claim and marks the claim Bound.
+async fn bind_claim(cluster: &Cluster, ns: &str, claim: &str, pv_name: &str) -> anyhow::Result<()> {
+    let pvcs = cluster.api::<PersistentVolumeClaim>(Some(ns));
+    let mut cur = pvcs.get(claim).await?;
+    cur.spec.get_or_insert_with(Default::default).volume_name = Some(pv_name.to_string());
     let cur = pvcs.replace(&cur).await?;
     let mut st = cur.clone();
     let status = st.status.get_or_insert_with(Default::default);
     status.phase = Some("Bound".into());
     status.access_modes = Some(vec!["ReadWriteOnce".into()]);
     let _ = pvcs.replace_status(&st).await;
-    progress.say(format!(
-        "provisioner: {ns}/{claim} bound to {pv_name} (CreateVolume → {}, {fs}, {} MiB)",
-        vol.volume_id,
-        vol.capacity_bytes >> 20
-    ));
     Ok(())
 }
 

@@ -73,8 +73,97 @@ pub(super) async fn start(
 ) -> anyhow::Result<Rig> {
     let p = &opts.progress;
     let node_a = &names[0];
+    let sc = create_driver_objects(cluster, opts).await?;
+    let hbs = register_nodes(cluster, opts, names).await?;
+    let (lifecycle, eviction) = start_node_controllers(cluster, opts);
+    let (controller, controller_client) =
+        InProcess::start(env.config(Mode::Controller, None, "controller")).await;
+    let mut plugins = Vec::new();
+    for n in names {
+        plugins.push(NodePlugin::start(env, cluster, n).await?);
+    }
+    p.say(format!(
+        "driver: controller plugin + {} node plugins (recovery every 1 s, clean reports to the Node)",
+        names.len()
+    ));
+    let attacher = start_attacher(env, cluster).await?;
+    let podgc = start_podgc(cluster, opts);
+    p.say("attacher (fence auto) and podgc (out-of-service taint on) running");
+    let size = volume_size(opts);
+    let provisioner = standins::provisioner(
+        cluster,
+        controller_client.clone(),
+        sc.clone(),
+        size,
+        p.clone(),
+    );
+    let adc_model = attach_detach_model(cluster, opts);
+    let adc = adc_model.clone().spawn();
+    let kubelets = spawn_kubelets(env, opts, procs, board, cluster, names, &plugins);
+    create_claims(cluster, opts.volumes, size).await?;
+    let sts = standins::statefulset(
+        cluster,
+        NAMESPACE,
+        opts.volumes,
+        node_a,
+        opts.toleration_seconds,
+        p.clone(),
+    );
+    if opts.unsafe_pod {
+        create_unsafe_pod(cluster, node_a, opts.toleration_seconds).await?;
+        p.say(format!(
+            "pod other-0 on {node_a} with a PV of {UNSAFE_DRIVER} (no safe-detach annotation)"
+        ));
+    }
+    Ok(Rig {
+        sts,
+        kubelets,
+        adc,
+        adc_model,
+        provisioner,
+        podgc,
+        attacher,
+        plugins,
+        controller_client,
+        controller,
+        eviction,
+        lifecycle,
+        hbs,
+    })
+}
 
-    // --- cluster objects and simulations -------------------------------------------------
+/// One mini kubelet per node, talking to that node's plugin.
+fn spawn_kubelets(
+    env: &Env,
+    opts: &Options,
+    procs: &Procs,
+    board: &Board,
+    cluster: &Cluster,
+    names: &[String],
+    plugins: &[NodePlugin],
+) -> Vec<Kubelet> {
+    names
+        .iter()
+        .zip(plugins)
+        .map(|(n, plugin)| {
+            Kubelet::spawn(
+                cluster,
+                n,
+                env.kubelet_dir(n),
+                plugin.client.clone(),
+                board.clone(),
+                procs.clone(),
+                opts.writer_exe.clone(),
+                opts.write_interval_ms,
+                opts.progress.clone(),
+            )
+        })
+        .collect()
+}
+
+/// The CSIDriver (with safe detach; and the unsafe driver when asked for) and the
+/// StorageClass the provisioner stand-in serves.
+async fn create_driver_objects(cluster: &Cluster, opts: &Options) -> anyhow::Result<StorageClass> {
     let mut drv = CSIDriver {
         metadata: meta(DRIVER_NAME, None),
         spec: CSIDriverSpec {
@@ -98,10 +187,20 @@ pub(super) async fn start(
         provisioner: DRIVER_NAME.into(),
         parameters: [(FSTYPE_PARAM.to_string(), opts.fs.clone())].into(),
     };
-    p.say(format!(
+    opts.progress.say(format!(
         "CSIDriver {DRIVER_NAME} ({SAFE_DETACH_ANNOTATION}=true), StorageClass {} ({FSTYPE_PARAM}={})",
         sc.name, opts.fs
     ));
+    Ok(sc)
+}
+
+/// Each node's heartbeat (its Node and Lease) and its CSINode; returns the heartbeats,
+/// in `names` order, once every Node is there.
+async fn register_nodes(
+    cluster: &Cluster,
+    opts: &Options,
+    names: &[String],
+) -> anyhow::Result<Vec<HeartbeatHandle>> {
     let hb_cfg = sim::HeartbeatConfig {
         interval: opts.lease_renew_interval,
         lease_duration_seconds: (opts.lease_renew_interval.as_secs() as i32 * 4).max(1),
@@ -132,10 +231,15 @@ pub(super) async fn start(
             })
             .await?;
     }
-    p.say(format!(
+    opts.progress.say(format!(
         "nodes {} registered (Ready), CSINodes created",
         names.join(", ")
     ));
+    Ok(hbs)
+}
+
+/// The node lifecycle and taint-eviction models: (lifecycle, eviction).
+fn start_node_controllers(cluster: &Cluster, opts: &Options) -> (SimHandle, SimHandle) {
     let lifecycle = sim::NodeLifecycle::new(
         cluster,
         sim::NodeLifecycleConfig {
@@ -152,20 +256,12 @@ pub(super) async fn start(
         },
     )
     .spawn();
+    (lifecycle, eviction)
+}
 
-    // --- driver ----------------------------------------------------------------------------
-    let (controller, controller_client) =
-        InProcess::start(env.config(Mode::Controller, None, "controller")).await;
-    let mut plugins = Vec::new();
-    for n in names {
-        plugins.push(NodePlugin::start(env, cluster, n).await?);
-    }
-    p.say(format!(
-        "driver: controller plugin + {} node plugins (recovery every 1 s, clean reports to the Node)",
-        names.len()
-    ));
-
-    // --- attacher and podgc ------------------------------------------------------------------
+/// The attacher on the controller plugin's socket, fencing when the plugin can; returns
+/// once it is active.
+async fn start_attacher(env: &Env, cluster: &Cluster) -> anyhow::Result<AttacherHandle> {
     let mut acfg = fencecsi_attacher::Config::new(env.socket("controller"));
     acfg.resync = Duration::from_secs(2);
     acfg.timeout = Duration::from_secs(30);
@@ -179,7 +275,11 @@ pub(super) async fn start(
     if !attacher.wait_active(Duration::from_secs(20)).await {
         bail!("the attacher did not become active");
     }
-    let podgc = PodGc::new(
+    Ok(attacher)
+}
+
+fn start_podgc(cluster: &Cluster, opts: &Options) -> PodGcHandle {
+    PodGc::new(
         cluster.clone(),
         PodGcConfig {
             shutdown_grace: opts.podgc_shutdown_grace,
@@ -192,25 +292,23 @@ pub(super) async fn start(
             ..Default::default()
         },
     )
-    .spawn();
-    p.say("attacher (fence auto) and podgc (out-of-service taint on) running");
+    .spawn()
+}
 
-    // --- stand-ins ----------------------------------------------------------------------------
-    let size: i64 = if opts.fs == "xfs" {
+/// Each claim's size: xfs needs more room than ext4 for its own metadata.
+fn volume_size(opts: &Options) -> i64 {
+    if opts.fs == "xfs" {
         320 << 20
     } else {
         64 << 20
-    };
-    let provisioner = standins::provisioner(
-        cluster,
-        controller_client.clone(),
-        sc.clone(),
-        size,
-        p.clone(),
-    );
-    // The attach-detach controller keeps its own view of what is attached; the unsafe
-    // driver's volume is attached too (by nobody), so its VolumeAttachment is there to stay.
-    let adc_model = AttachDetach::new(
+    }
+}
+
+/// The attach-detach controller keeps its own view of what is attached; the unsafe
+/// driver's volume is attached too (by nobody), so its VolumeAttachment is there to stay.
+fn attach_detach_model(cluster: &Cluster, opts: &Options) -> AttachDetach {
+    let p = opts.progress.clone();
+    AttachDetach::new(
         cluster,
         AttachDetachConfig {
             drivers: vec![DRIVER_NAME.to_string(), UNSAFE_DRIVER.to_string()],
@@ -218,27 +316,13 @@ pub(super) async fn start(
             ..Default::default()
         },
     )
-    .with_say({
-        let p = p.clone();
-        Arc::new(move |m| p.say(format!("attach-detach: {m}")))
-    });
-    let adc = adc_model.clone().spawn();
-    let mut kubelets = Vec::new();
-    for (i, n) in names.iter().enumerate() {
-        kubelets.push(Kubelet::spawn(
-            cluster,
-            n,
-            env.kubelet_dir(n),
-            plugins[i].client.clone(),
-            board.clone(),
-            procs.clone(),
-            opts.writer_exe.clone(),
-            opts.write_interval_ms,
-            p.clone(),
-        ));
-    }
+    .with_say(Arc::new(move |m| p.say(format!("attach-detach: {m}"))))
+}
+
+/// The StatefulSet's claims, `data-writer-<i>`, of `size` bytes each.
+async fn create_claims(cluster: &Cluster, volumes: usize, size: i64) -> anyhow::Result<()> {
     let pvcs = cluster.api::<PersistentVolumeClaim>(Some(NAMESPACE));
-    for i in 0..opts.volumes {
+    for i in 0..volumes {
         pvcs.create(&PersistentVolumeClaim {
             metadata: meta(&format!("data-writer-{i}"), Some(NAMESPACE)),
             spec: Some(PersistentVolumeClaimSpec {
@@ -256,35 +340,7 @@ pub(super) async fn start(
         })
         .await?;
     }
-    let sts = standins::statefulset(
-        cluster,
-        NAMESPACE,
-        opts.volumes,
-        node_a,
-        opts.toleration_seconds,
-        p.clone(),
-    );
-    if opts.unsafe_pod {
-        create_unsafe_pod(cluster, node_a, opts.toleration_seconds).await?;
-        p.say(format!(
-            "pod other-0 on {node_a} with a PV of {UNSAFE_DRIVER} (no safe-detach annotation)"
-        ));
-    }
-    Ok(Rig {
-        sts,
-        kubelets,
-        adc,
-        adc_model,
-        provisioner,
-        podgc,
-        attacher,
-        plugins,
-        controller_client,
-        controller,
-        eviction,
-        lifecycle,
-        hbs,
-    })
+    Ok(())
 }
 
 /// A pod on node A whose PV belongs to a driver without safe detach: podgc must leave it.
