@@ -93,6 +93,23 @@ pub struct AttachDetach {
     say: Say,
 }
 
+/// A VolumeAttachment the model deletes, and why, for its message.
+struct Detach {
+    name: String,
+    pv: String,
+    node: String,
+    /// Detached while still mounted, because of the out-of-service taint.
+    forced: bool,
+}
+
+/// Objects by their name.
+fn by_name<K: k8s_openapi::Metadata<Ty = ObjectMeta>>(items: Vec<K>) -> HashMap<String, K> {
+    items
+        .into_iter()
+        .map(|o| (o.metadata().name.clone().unwrap_or_default(), o))
+        .collect()
+}
+
 struct Wanted {
     driver: String,
     handle: String,
@@ -219,133 +236,38 @@ impl AttachDetach {
     pub async fn reconcile(&self) -> Result<()> {
         let now = Instant::now();
         let desired = self.desired().await?;
-        let nodes: HashMap<String, Node> = self
-            .cluster
-            .api::<Node>(None)
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
-            .collect();
+        let nodes: HashMap<String, Node> = by_name(
+            self.cluster
+                .api::<Node>(None)
+                .list(&ListParams::default())
+                .await?
+                .items,
+        );
         let vas = self.cluster.api::<VolumeAttachment>(None);
-        let existing: HashMap<String, VolumeAttachment> = vas
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .map(|v| (v.metadata.name.clone().unwrap_or_default(), v))
-            .collect();
-
+        let existing: HashMap<String, VolumeAttachment> =
+            by_name(vas.list(&ListParams::default()).await?.items);
         // At start-up the view is filled from the attachments that exist.
-        let mut adopted = Vec::new();
-        if self.lock().last_sync.is_none() {
-            for (name, va) in &existing {
-                let Some(pv) = va.spec.source.persistent_volume_name.clone() else {
-                    continue;
-                };
-                if !self.cfg.drivers.contains(&va.spec.attacher)
-                    || va.metadata.deletion_timestamp.is_some()
-                {
-                    continue;
-                }
-                let Some(csi) = self
-                    .cluster
-                    .api::<PersistentVolume>(None)
-                    .get_opt(&pv)
-                    .await?
-                    .and_then(|p| p.spec)
-                    .and_then(|s| s.csi)
-                else {
-                    continue;
-                };
-                adopted.push((
-                    name.clone(),
-                    Attached {
-                        node: va.spec.node_name.clone(),
-                        pv,
-                        unique: csi_unique_name(&csi.driver, &csi.volume_handle),
-                        unused_since: None,
-                        waiting_reported: false,
-                    },
-                ));
-            }
-        }
+        let adopted = if self.lock().last_sync.is_none() {
+            self.adoptable(&existing).await?
+        } else {
+            Vec::new()
+        };
         let mut say = Vec::new();
-        let mut to_delete = Vec::new();
-        {
+        let to_delete = {
             let mut st = self.lock();
             if st.last_sync.is_none() {
                 st.view.extend(adopted);
             }
-            // Verification: attachments whose VolumeAttachment is gone leave the view.
-            if st
-                .last_sync
-                .is_none_or(|t| now.duration_since(t) >= self.cfg.sync_period)
-            {
-                st.last_sync = Some(now);
-                st.view.retain(|name, a| {
-                    let keep = existing.contains_key(name);
-                    if !keep {
-                        say.push(format!(
-                            "verification: VolumeAttachment of {} on {} is gone: marked detached",
-                            a.pv, a.node
-                        ));
-                    }
-                    keep
-                });
-            }
-            // Detach what no pod on its node needs, when it may.
-            let mut detached = Vec::new();
-            for (name, a) in st.view.iter_mut() {
-                if desired.contains_key(&(a.node.clone(), a.pv.clone())) {
-                    a.unused_since = None;
-                    continue;
-                }
-                let since = *a.unused_since.get_or_insert(now);
-                let node = nodes.get(&a.node);
-                let mounted = node
-                    .and_then(|n| n.status.as_ref())
-                    .and_then(|s| s.volumes_in_use.as_ref())
-                    .is_some_and(|v| v.contains(&a.unique));
-                let out_of_service = node
-                    .and_then(|n| n.spec.as_ref())
-                    .and_then(|s| s.taints.as_ref())
-                    .is_some_and(|ts| ts.iter().any(|t| t.key == OUT_OF_SERVICE_TAINT_KEY));
-                let healthy = node
-                    .and_then(ready_condition)
-                    .is_some_and(|c| c.status == "True");
-                let timed_out = now.duration_since(since) > self.cfg.max_wait_for_unmount;
-                if mounted && !out_of_service && (healthy || !timed_out) {
-                    if !a.waiting_reported {
-                        a.waiting_reported = true;
-                        say.push(format!("{} is unused on {} but still in its volumesInUse: waiting for the unmount", a.pv, a.node));
-                    }
-                    continue;
-                }
-                match existing.get(name) {
-                    None => detached.push(name.clone()),
-                    Some(v) if v.metadata.deletion_timestamp.is_none() => to_delete.push((
-                        name.clone(),
-                        a.pv.clone(),
-                        a.node.clone(),
-                        out_of_service,
-                        mounted,
-                    )),
-                    Some(_) => {}
-                }
-            }
-            for name in detached {
-                if let Some(a) = st.view.remove(&name) {
-                    say.push(format!("{} detached from {}", a.pv, a.node));
-                }
-            }
-        }
-        for (name, pv, node, oos, mounted) in to_delete {
-            match vas.delete(&name, &DeleteOptions::default()).await {
+            self.verify(&mut st, now, &existing, &mut say);
+            self.plan_detaches(&mut st, now, &desired, &nodes, &existing, &mut say)
+        };
+        for d in to_delete {
+            match vas.delete(&d.name, &DeleteOptions::default()).await {
                 Ok(_) => say.push(format!(
-                    "detaching {pv} from {node}{}: VolumeAttachment deleted",
-                    if oos && mounted {
+                    "detaching {} from {}{}: VolumeAttachment deleted",
+                    d.pv,
+                    d.node,
+                    if d.forced {
                         " (forced: out-of-service taint)"
                     } else {
                         ""
@@ -355,61 +277,16 @@ impl AttachDetach {
                 Err(e) => return Err(e),
             }
         }
-        // Attach what pods need, unless the view has it on another node.
-        let mut to_create = Vec::new();
-        {
-            let mut st = self.lock();
-            for ((node, pv), w) in &desired {
-                let name = volume_attachment_name(&w.handle, &w.driver, node);
-                if st.view.contains_key(&name) {
-                    continue;
-                }
-                let elsewhere: Vec<String> = st
-                    .view
-                    .values()
-                    .filter(|a| &a.pv == pv && &a.node != node)
-                    .map(|a| a.node.clone())
-                    .collect();
-                let key = (pv.clone(), node.clone());
-                if w.single_node && !elsewhere.is_empty() {
-                    if st.multi_attach_reported.insert(key) {
-                        st.multi_attach_errors += 1;
-                        say.push(format!("Multi-Attach error for {pv} on {node}: still attached to {} in the controller's view", elsewhere.join(", ")));
-                    }
-                    continue;
-                }
-                st.multi_attach_reported.remove(&key);
-                st.view.insert(
-                    name.clone(),
-                    Attached {
-                        node: node.clone(),
-                        pv: pv.clone(),
-                        unique: csi_unique_name(&w.driver, &w.handle),
-                        unused_since: None,
-                        waiting_reported: false,
-                    },
-                );
-                if !existing.contains_key(&name) {
-                    to_create.push((name, node.clone(), pv.clone(), w.driver.clone()));
-                }
-            }
-        }
-        for (name, node, pv, driver) in to_create {
-            let va = VolumeAttachment {
-                metadata: ObjectMeta {
-                    name: Some(name.clone()),
-                    ..Default::default()
-                },
-                spec: VolumeAttachmentSpec {
-                    attacher: driver,
-                    node_name: node.clone(),
-                    source: VolumeAttachmentSource {
-                        persistent_volume_name: Some(pv.clone()),
-                        ..Default::default()
-                    },
-                },
-                status: None,
-            };
+        let to_create = self.plan_attaches(&mut self.lock(), &desired, &existing, &mut say);
+        for va in to_create {
+            let (pv, node) = (
+                va.spec
+                    .source
+                    .persistent_volume_name
+                    .clone()
+                    .unwrap_or_default(),
+                va.spec.node_name.clone(),
+            );
             match vas.create(&va).await {
                 Ok(_) => say.push(format!(
                     "attaching {pv} to {node}: VolumeAttachment created"
@@ -422,6 +299,195 @@ impl AttachDetach {
             (self.say)(m);
         }
         Ok(())
+    }
+
+    /// The existing attachments of our drivers, not being deleted, as the view's entries.
+    async fn adoptable(
+        &self,
+        existing: &HashMap<String, VolumeAttachment>,
+    ) -> Result<Vec<(String, Attached)>> {
+        let mut adopted = Vec::new();
+        for (name, va) in existing {
+            let Some(pv) = va.spec.source.persistent_volume_name.clone() else {
+                continue;
+            };
+            if !self.cfg.drivers.contains(&va.spec.attacher)
+                || va.metadata.deletion_timestamp.is_some()
+            {
+                continue;
+            }
+            let Some(csi) = self
+                .cluster
+                .api::<PersistentVolume>(None)
+                .get_opt(&pv)
+                .await?
+                .and_then(|p| p.spec)
+                .and_then(|s| s.csi)
+            else {
+                continue;
+            };
+            adopted.push((
+                name.clone(),
+                Attached {
+                    node: va.spec.node_name.clone(),
+                    pv,
+                    unique: csi_unique_name(&csi.driver, &csi.volume_handle),
+                    unused_since: None,
+                    waiting_reported: false,
+                },
+            ));
+        }
+        Ok(adopted)
+    }
+
+    /// Verification, once a sync period: attachments whose VolumeAttachment is gone
+    /// leave the view.
+    fn verify(
+        &self,
+        st: &mut State,
+        now: Instant,
+        existing: &HashMap<String, VolumeAttachment>,
+        say: &mut Vec<String>,
+    ) {
+        if st
+            .last_sync
+            .is_some_and(|t| now.duration_since(t) < self.cfg.sync_period)
+        {
+            return;
+        }
+        st.last_sync = Some(now);
+        st.view.retain(|name, a| {
+            let keep = existing.contains_key(name);
+            if !keep {
+                say.push(format!(
+                    "verification: VolumeAttachment of {} on {} is gone: marked detached",
+                    a.pv, a.node
+                ));
+            }
+            keep
+        });
+    }
+
+    /// Detaches what no pod on its node needs, when it may: returns the VolumeAttachments
+    /// to delete, and drops from the view those already gone.
+    fn plan_detaches(
+        &self,
+        st: &mut State,
+        now: Instant,
+        desired: &HashMap<(String, String), Wanted>,
+        nodes: &HashMap<String, Node>,
+        existing: &HashMap<String, VolumeAttachment>,
+        say: &mut Vec<String>,
+    ) -> Vec<Detach> {
+        let mut to_delete = Vec::new();
+        let mut detached = Vec::new();
+        for (name, a) in st.view.iter_mut() {
+            if desired.contains_key(&(a.node.clone(), a.pv.clone())) {
+                a.unused_since = None;
+                continue;
+            }
+            let since = *a.unused_since.get_or_insert(now);
+            let node = nodes.get(&a.node);
+            let mounted = node
+                .and_then(|n| n.status.as_ref())
+                .and_then(|s| s.volumes_in_use.as_ref())
+                .is_some_and(|v| v.contains(&a.unique));
+            let out_of_service = node
+                .and_then(|n| n.spec.as_ref())
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|ts| ts.iter().any(|t| t.key == OUT_OF_SERVICE_TAINT_KEY));
+            let healthy = node
+                .and_then(ready_condition)
+                .is_some_and(|c| c.status == "True");
+            let timed_out = now.duration_since(since) > self.cfg.max_wait_for_unmount;
+            if mounted && !out_of_service && (healthy || !timed_out) {
+                if !a.waiting_reported {
+                    a.waiting_reported = true;
+                    say.push(format!(
+                        "{} is unused on {} but still in its volumesInUse: waiting for the unmount",
+                        a.pv, a.node
+                    ));
+                }
+                continue;
+            }
+            match existing.get(name) {
+                None => detached.push(name.clone()),
+                Some(v) if v.metadata.deletion_timestamp.is_none() => to_delete.push(Detach {
+                    name: name.clone(),
+                    pv: a.pv.clone(),
+                    node: a.node.clone(),
+                    forced: out_of_service && mounted,
+                }),
+                Some(_) => {}
+            }
+        }
+        for name in detached {
+            if let Some(a) = st.view.remove(&name) {
+                say.push(format!("{} detached from {}", a.pv, a.node));
+            }
+        }
+        to_delete
+    }
+
+    /// Attaches what pods need, unless the view has it on another node: returns the
+    /// VolumeAttachments to create (the view already counts them).
+    fn plan_attaches(
+        &self,
+        st: &mut State,
+        desired: &HashMap<(String, String), Wanted>,
+        existing: &HashMap<String, VolumeAttachment>,
+        say: &mut Vec<String>,
+    ) -> Vec<VolumeAttachment> {
+        let mut to_create = Vec::new();
+        for ((node, pv), w) in desired {
+            let name = volume_attachment_name(&w.handle, &w.driver, node);
+            if st.view.contains_key(&name) {
+                continue;
+            }
+            let elsewhere: Vec<String> = st
+                .view
+                .values()
+                .filter(|a| &a.pv == pv && &a.node != node)
+                .map(|a| a.node.clone())
+                .collect();
+            let key = (pv.clone(), node.clone());
+            if w.single_node && !elsewhere.is_empty() {
+                if st.multi_attach_reported.insert(key) {
+                    st.multi_attach_errors += 1;
+                    say.push(format!("Multi-Attach error for {pv} on {node}: still attached to {} in the controller's view", elsewhere.join(", ")));
+                }
+                continue;
+            }
+            st.multi_attach_reported.remove(&key);
+            st.view.insert(
+                name.clone(),
+                Attached {
+                    node: node.clone(),
+                    pv: pv.clone(),
+                    unique: csi_unique_name(&w.driver, &w.handle),
+                    unused_since: None,
+                    waiting_reported: false,
+                },
+            );
+            if !existing.contains_key(&name) {
+                to_create.push(VolumeAttachment {
+                    metadata: ObjectMeta {
+                        name: Some(name),
+                        ..Default::default()
+                    },
+                    spec: VolumeAttachmentSpec {
+                        attacher: w.driver.clone(),
+                        node_name: node.clone(),
+                        source: VolumeAttachmentSource {
+                            persistent_volume_name: Some(pv.clone()),
+                            ..Default::default()
+                        },
+                    },
+                    status: None,
+                });
+            }
+        }
+        to_create
     }
 
     pub fn spawn(self) -> SimHandle {
