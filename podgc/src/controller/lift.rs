@@ -32,21 +32,7 @@ impl Runner {
             return Ok(false);
         };
         let vas = self.caches.safe_vas_on(node);
-        if vas == 0 && !info.fences_done {
-            // The fences are done now: only a clean report from after this moment counts.
-            self.patch_node(
-                node,
-                MetadataPatch::new()
-                    .set_annotation(QUARANTINED_AT_ANNOTATION, &now().to_string())
-                    .set_annotation(FENCES_DONE, "true"),
-            )
-            .await?;
-            tracing::info!(node, "no VolumeAttachment of a safe-detach driver left on the node: fences done; waiting for a clean report");
-            return Ok(false);
-        }
-        if vas > 0 && info.fences_done {
-            self.patch_node(node, MetadataPatch::new().remove_annotation(FENCES_DONE))
-                .await?;
+        if self.sync_fences_done(node, &info, vas).await? {
             return Ok(false);
         }
         if unhealthy || vas > 0 || info.liftable().is_err() {
@@ -74,73 +60,15 @@ impl Runner {
                 }
             };
             if !attachments_checked {
-                // The VolumeAttachments are read again too. Their cache is no more
-                // authoritative than the Node's: the same API server restart or network
-                // cut holds up every watch. It errs one way only: a VolumeAttachment it
-                // still holds keeps the quarantine until the watch delivers its deletion,
-                // so a VolumeAttachment that was there when the fences were marked done
-                // cannot be missed. But one created while the watch was behind (for a pod
-                // that tolerates the quarantine taint, say) would be, and it calls for new
-                // fences and a new clean report (fences-done cleared, as when the watch
-                // delivers it). One list, paged, of all VolumeAttachments (the API server
-                // has no field selector on spec.nodeName), made only for a lift about to
-                // happen: about once per node that comes back. Which drivers declare safe
-                // detach stays the cache's: a CSIDriver's annotation changes only when the
-                // driver is installed or reconfigured.
-                let missed = self.safe_attachments_listed_on(node).await?;
-                if !missed.is_empty() {
-                    let names: Vec<&str> = missed
-                        .iter()
-                        .filter_map(|va| va.metadata.name.as_deref())
-                        .collect();
-                    tracing::warn!(
-                        node,
-                        volume_attachments = ?names,
-                        "VolumeAttachments of a safe-detach driver name the node that podgc's watch has not delivered (yet): not lifting its quarantine this pass"
-                    );
-                    for va in &missed {
-                        self.caches.note_va(va);
-                    }
+                if self.attachments_the_watch_missed(node).await? {
                     return Ok(false);
                 }
                 attachments_checked = true;
             }
-            let owned_oos = n
-                .metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(OUT_OF_SERVICE_ADDED));
-            if let Some(spec) = n.spec.as_mut() {
-                if let Some(list) = spec.taints.as_mut() {
-                    list.retain(|t| {
-                        t.key != QUARANTINE_TAINT_KEY
-                            && !(owned_oos && t.key == OUT_OF_SERVICE_TAINT_KEY)
-                    });
-                    if list.is_empty() {
-                        spec.taints = None;
-                    }
-                }
-            }
-            let ours = [QUARANTINED_AT_ANNOTATION, OUT_OF_SERVICE_ADDED, FENCES_DONE];
-            if let Some(a) = n.metadata.annotations.as_mut() {
-                for k in ours {
-                    a.remove(k);
-                }
-            }
+            let ours = strip_quarantine(&mut n);
             match nodes.patch_merge(node, &node_patch(&n, &ours)).await {
                 Ok(written) => {
-                    let info = NodeInfo::of(&written, self.caches.nodes.get(node));
-                    self.caches.nodes.insert(node.to_string(), info);
-                    self.metrics.quarantines_lifted.inc();
-                    let msg = format!("node {node} is Ready, no VolumeAttachment of a safe-detach driver names it, and its node plugin reported it clean at {clean} (after {qa}): quarantine lifted");
-                    tracing::info!(node, "{msg}");
-                    self.event(
-                        Self::node_ref(node),
-                        EventType::Normal,
-                        "QuarantineLifted",
-                        &msg,
-                    )
-                    .await;
+                    self.report_lift(node, &written, &qa, &clean).await;
                     return Ok(true);
                 }
                 Err(e) if e.is_conflict() => continue,
@@ -152,6 +80,83 @@ impl Runner {
             "the node changed under every attempt to lift its quarantine; retried next pass"
         );
         Ok(false)
+    }
+
+    /// Keeps `fencecsi.io/fences-done` true exactly while no VolumeAttachment of a
+    /// safe-detach driver names the node: re-stamps quarantined-at when it becomes true
+    /// (only a clean report from after that counts), clears it when one appears again.
+    /// Whether it wrote (nothing more this pass then).
+    async fn sync_fences_done(&mut self, node: &str, info: &NodeInfo, vas: usize) -> Result<bool> {
+        if vas == 0 && !info.fences_done {
+            self.patch_node(
+                node,
+                MetadataPatch::new()
+                    .set_annotation(QUARANTINED_AT_ANNOTATION, &now().to_string())
+                    .set_annotation(FENCES_DONE, "true"),
+            )
+            .await?;
+            tracing::info!(node, "no VolumeAttachment of a safe-detach driver left on the node: fences done; waiting for a clean report");
+            return Ok(true);
+        }
+        if vas > 0 && info.fences_done {
+            self.patch_node(node, MetadataPatch::new().remove_annotation(FENCES_DONE))
+                .await?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// The VolumeAttachments are read again too. Their cache is no more authoritative
+    /// than the Node's: the same API server restart or network cut holds up every watch.
+    /// It errs one way only: a VolumeAttachment it still holds keeps the quarantine until
+    /// the watch delivers its deletion, so a VolumeAttachment that was there when the
+    /// fences were marked done cannot be missed. But one created while the watch was
+    /// behind (for a pod that tolerates the quarantine taint, say) would be, and it calls
+    /// for new fences and a new clean report (fences-done cleared, as when the watch
+    /// delivers it). One list, paged, of all VolumeAttachments (the API server has no
+    /// field selector on spec.nodeName), made only for a lift about to happen: about once
+    /// per node that comes back. Which drivers declare safe detach stays the cache's: a
+    /// CSIDriver's annotation changes only when the driver is installed or reconfigured.
+    /// Whether there were such attachments (the cache takes them).
+    async fn attachments_the_watch_missed(&mut self, node: &str) -> Result<bool> {
+        let missed = self.safe_attachments_listed_on(node).await?;
+        if missed.is_empty() {
+            return Ok(false);
+        }
+        let names: Vec<&str> = missed
+            .iter()
+            .filter_map(|va| va.metadata.name.as_deref())
+            .collect();
+        tracing::warn!(
+            node,
+            volume_attachments = ?names,
+            "VolumeAttachments of a safe-detach driver name the node that podgc's watch has not delivered (yet): not lifting its quarantine this pass"
+        );
+        for va in &missed {
+            self.caches.note_va(va);
+        }
+        Ok(true)
+    }
+
+    async fn report_lift(
+        &mut self,
+        node: &str,
+        written: &Node,
+        qa: &impl std::fmt::Display,
+        clean: &impl std::fmt::Display,
+    ) {
+        let info = NodeInfo::of(written, self.caches.nodes.get(node));
+        self.caches.nodes.insert(node.to_string(), info);
+        self.metrics.quarantines_lifted.inc();
+        let msg = format!("node {node} is Ready, no VolumeAttachment of a safe-detach driver names it, and its node plugin reported it clean at {clean} (after {qa}): quarantine lifted");
+        tracing::info!(node, "{msg}");
+        self.event(
+            Self::node_ref(node),
+            EventType::Normal,
+            "QuarantineLifted",
+            &msg,
+        )
+        .await;
     }
 
     /// The VolumeAttachments of safe-detach drivers naming `node`, as the API server has
@@ -173,4 +178,32 @@ impl Runner {
             })
             .await?)
     }
+}
+
+/// Takes podgc's quarantine off `n`: its taint, the out-of-service taint when podgc
+/// added it, and podgc's annotations. Returns those annotation keys (the patch removes
+/// them).
+fn strip_quarantine(n: &mut Node) -> [&'static str; 3] {
+    let owned_oos = n
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(OUT_OF_SERVICE_ADDED));
+    if let Some(spec) = n.spec.as_mut() {
+        if let Some(list) = spec.taints.as_mut() {
+            list.retain(|t| {
+                t.key != QUARANTINE_TAINT_KEY && !(owned_oos && t.key == OUT_OF_SERVICE_TAINT_KEY)
+            });
+            if list.is_empty() {
+                spec.taints = None;
+            }
+        }
+    }
+    let ours = [QUARANTINED_AT_ANNOTATION, OUT_OF_SERVICE_ADDED, FENCES_DONE];
+    if let Some(a) = n.metadata.annotations.as_mut() {
+        for k in ours {
+            a.remove(k);
+        }
+    }
+    ours
 }

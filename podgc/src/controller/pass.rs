@@ -104,53 +104,9 @@ impl Runner {
             .collect();
         s.unhealthy = unhealthy.len();
         self.metrics.unhealthy_nodes.set(unhealthy.len() as i64);
-        let fraction = if s.nodes == 0 {
-            0.0
-        } else {
-            unhealthy.len() as f64 / s.nodes as f64
-        };
-        let disruption = fraction > self.cfg.max_unhealthy_fraction;
-        self.metrics.disruption_mode.set(disruption as i64);
-        s.disruption_mode = disruption;
-        if disruption {
-            if !self.in_disruption {
-                let msg = format!(
-                    "{} of {} nodes ({:.0}%) are NotReady, more than the {:.0}% podgc acts under: the fault is likely the control plane's network, not the nodes. podgc quarantines, deletes and lifts nothing until fewer nodes are NotReady.",
-                    unhealthy.len(), s.nodes, fraction * 100.0, self.cfg.max_unhealthy_fraction * 100.0
-                );
-                tracing::warn!(
-                    unhealthy = unhealthy.len(),
-                    nodes = s.nodes,
-                    "entering disruption mode: {msg}"
-                );
-                self.event(
-                    self.lease_ref.clone(),
-                    EventType::Warning,
-                    "DisruptionMode",
-                    &msg,
-                )
-                .await;
-            }
-            self.in_disruption = true;
+        if self.disruption_mode(unhealthy.len(), &mut s, now).await {
             s.quarantined = self.count_quarantined();
             return s;
-        }
-        if self.in_disruption {
-            let msg = format!(
-                "{} of {} nodes are down: podgc acts again, and the grace of every node still down starts now",
-                unhealthy.len(),
-                s.nodes
-            );
-            self.clocks_restarted = Some(now);
-            tracing::info!("{msg}");
-            self.event(
-                self.lease_ref.clone(),
-                EventType::Normal,
-                "DisruptionModeEnded",
-                &msg,
-            )
-            .await;
-            self.in_disruption = false;
         }
         // Nodes still down start their grace now (see `suspect`).
         let unhealthy: Vec<(String, Suspect)> = unhealthy
@@ -160,38 +116,10 @@ impl Runner {
                 Some((n.clone(), self.suspect(&n, info, now)?))
             })
             .collect();
-
-        // Quarantined nodes: re-stamp after the fences, lift when clean.
-        let quarantined: Vec<String> = self
-            .caches
-            .nodes
-            .iter()
-            .filter(|(_, i)| i.quarantined)
-            .map(|(n, _)| n.clone())
-            .collect();
         let unhealthy_set: HashSet<&str> = unhealthy.iter().map(|(n, _)| n.as_str()).collect();
-        for name in quarantined {
-            match self
-                .maybe_lift(&name, unhealthy_set.contains(name.as_str()))
-                .await
-            {
-                Ok(true) => s.lifted.push(name),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(node = %name, error = %e, "checking the quarantine failed")
-                }
-            }
-        }
-
-        let mut healthy_warned: Vec<String> = Vec::new();
-        for n in self.warned.keys() {
-            if !unhealthy_set.contains(n.as_str()) {
-                healthy_warned.push(n.clone());
-            }
-        }
-        for n in healthy_warned {
-            self.warned.remove(&n);
-        }
+        self.check_quarantines(&unhealthy_set, &mut s).await;
+        self.warned
+            .retain(|n, _| unhealthy_set.contains(n.as_str()));
         self.oos_withheld
             .retain(|n| unhealthy_set.contains(n.as_str()));
         for (name, down) in unhealthy {
@@ -207,6 +135,87 @@ impl Runner {
         }
         s.quarantined = self.count_quarantined();
         s
+    }
+
+    /// Whether too many nodes are down to act (the fault is then likely the control
+    /// plane's network): enters and leaves disruption mode, with an Event each way.
+    /// Leaving it restarts every down node's grace.
+    async fn disruption_mode(
+        &mut self,
+        unhealthy: usize,
+        s: &mut PassSummary,
+        now: Timestamp,
+    ) -> bool {
+        let fraction = if s.nodes == 0 {
+            0.0
+        } else {
+            unhealthy as f64 / s.nodes as f64
+        };
+        let disruption = fraction > self.cfg.max_unhealthy_fraction;
+        self.metrics.disruption_mode.set(disruption as i64);
+        s.disruption_mode = disruption;
+        if disruption {
+            if !self.in_disruption {
+                let msg = format!(
+                    "{} of {} nodes ({:.0}%) are NotReady, more than the {:.0}% podgc acts under: the fault is likely the control plane's network, not the nodes. podgc quarantines, deletes and lifts nothing until fewer nodes are NotReady.",
+                    unhealthy, s.nodes, fraction * 100.0, self.cfg.max_unhealthy_fraction * 100.0
+                );
+                tracing::warn!(
+                    unhealthy,
+                    nodes = s.nodes,
+                    "entering disruption mode: {msg}"
+                );
+                self.event(
+                    self.lease_ref.clone(),
+                    EventType::Warning,
+                    "DisruptionMode",
+                    &msg,
+                )
+                .await;
+            }
+            self.in_disruption = true;
+            return true;
+        }
+        if self.in_disruption {
+            let msg = format!(
+                "{} of {} nodes are down: podgc acts again, and the grace of every node still down starts now",
+                unhealthy, s.nodes
+            );
+            self.clocks_restarted = Some(now);
+            tracing::info!("{msg}");
+            self.event(
+                self.lease_ref.clone(),
+                EventType::Normal,
+                "DisruptionModeEnded",
+                &msg,
+            )
+            .await;
+            self.in_disruption = false;
+        }
+        false
+    }
+
+    /// Quarantined nodes: re-stamp after the fences, lift when clean.
+    async fn check_quarantines(&mut self, unhealthy: &HashSet<&str>, s: &mut PassSummary) {
+        let quarantined: Vec<String> = self
+            .caches
+            .nodes
+            .iter()
+            .filter(|(_, i)| i.quarantined)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in quarantined {
+            match self
+                .maybe_lift(&name, unhealthy.contains(name.as_str()))
+                .await
+            {
+                Ok(true) => s.lifted.push(name),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(node = %name, error = %e, "checking the quarantine failed")
+                }
+            }
+        }
     }
 
     /// A node about to be acted on because its Lease looks stale: read the Lease itself.

@@ -151,45 +151,10 @@ impl PodGc {
             Some(le) => Some(LeaderElector::new(&cluster, le.clone())?.spawn()),
             None => None,
         };
-        let lease_ref = match &cfg.leader_election {
-            Some(le) => ObjectReference {
-                api_version: Some("coordination.k8s.io/v1".into()),
-                kind: Some("Lease".into()),
-                name: Some(le.lease_name.clone()),
-                namespace: Some(le.namespace.clone()),
-                ..Default::default()
-            },
-            None => ObjectReference {
-                api_version: Some("coordination.k8s.io/v1".into()),
-                kind: Some("Lease".into()),
-                name: Some("fencecsi-podgc".into()),
-                namespace: Some("kube-system".into()),
-                ..Default::default()
-            },
-        };
-        let mut nodes_w = cluster.api::<Node>(None).watch(&WatchParams::default())?;
-        let mut leases_w: WatchStream<Lease> = match cfg.node_lease_grace {
-            Some(_) => cluster
-                .api::<Lease>(Some(NODE_LEASE_NAMESPACE))
-                .watch(&WatchParams::default())?,
-            None => futures::stream::pending().boxed(),
-        };
-        let mut vas_w = cluster
-            .api::<VolumeAttachment>(None)
-            .watch(&WatchParams::default())?;
-        let mut drivers_w = cluster
-            .api::<CSIDriver>(None)
-            .watch(&WatchParams::default())?;
-        // Finished pods never concern podgc; the rest only trigger passes: nothing is kept,
-        // and the (re-)list that starts the watch keeps no pod either.
-        let mut pods_w = cluster.api::<Pod>(None).watch(
-            &WatchParams::default()
-                .fields("status.phase!=Succeeded,status.phase!=Failed")
-                .changes_only(),
-        )?;
-
+        let mut w = Watches::open(&cluster, &cfg)?;
         let mut r = Runner {
             recorder: EventRecorder::new(&cluster, CONTROLLER_NAME, &cfg.identity),
+            lease_ref: lease_ref(&cfg),
             cluster,
             cfg: cfg.clone(),
             metrics: self.metrics.clone(),
@@ -202,7 +167,6 @@ impl PodGc {
             oos_withheld: Default::default(),
             warned: HashMap::new(),
             seq: 0,
-            lease_ref,
         };
         tracing::info!(identity = %cfg.identity, shutdown_grace = ?cfg.shutdown_grace, node_lease_grace = ?cfg.node_lease_grace,
             max_unhealthy_fraction = cfg.max_unhealthy_fraction, out_of_service_taint = cfg.out_of_service_taint, "podgc starting");
@@ -211,15 +175,7 @@ impl PodGc {
         let mut next_pass = far;
         tokio::pin!(shutdown);
         loop {
-            // Alive only while the election can work: a Lease it may not touch
-            // must turn /healthz red, not leave a standby that never leads.
-            match leader.as_ref() {
-                Some(l) if !l.healthy() => {
-                    self.liveness.fail();
-                    tracing::error!(failing_for = ?l.elector().failing_for(), "leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
-                }
-                _ => self.liveness.stamp(),
-            }
+            self.report_election_health(leader.as_ref());
             if r.caches.synced() && next_pass == far {
                 next_pass = tokio::time::Instant::now();
             }
@@ -229,27 +185,15 @@ impl PodGc {
                 _ = &mut shutdown => break,
                 _ = tokio::time::sleep_until(next_pass), if r.caches.synced() => {
                     let leading = leader.as_ref().is_none_or(|l| l.is_leader());
-                    if leading && !was_leading {
-                        r.clocks_restarted = Some(now());
-                        tracing::info!("leading: every node's grace starts now");
-                    }
-                    was_leading = leading;
-                    self.metrics.leader.set(leading as i64);
-                    let start = Instant::now();
-                    let summary = if leading { r.pass().await } else {
-                        r.seq += 1;
-                        PassSummary { seq: r.seq, leader: false, ..Default::default() }
-                    };
-                    self.metrics.passes.inc();
-                    self.metrics.pass_duration_seconds.observe(start.elapsed().as_secs_f64());
+                    let summary = self.pass_if_leading(&mut r, leading, &mut was_leading).await;
                     if let Some(p) = &passes { p.send_replace(summary); }
                     next_pass = tokio::time::Instant::now() + r.until_next_deadline();
                 }
-                Some(ev) = nodes_w.next() => if r.caches.apply_node(ev) { next_pass = next_pass.min(soon) },
-                Some(ev) = leases_w.next() => if r.caches.apply_lease(ev) { next_pass = next_pass.min(soon) },
-                Some(ev) = vas_w.next() => if r.caches.apply_va(ev) { next_pass = next_pass.min(soon) },
-                Some(ev) = drivers_w.next() => if r.caches.apply_driver(ev) { next_pass = next_pass.min(soon) },
-                Some(ev) = pods_w.next() => if r.caches.apply_pod(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = w.nodes.next() => if r.caches.apply_node(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = w.leases.next() => if r.caches.apply_lease(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = w.vas.next() => if r.caches.apply_va(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = w.drivers.next() => if r.caches.apply_driver(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = w.pods.next() => if r.caches.apply_pod(ev) { next_pass = next_pass.min(soon) },
             }
         }
         tracing::info!("podgc stopping");
@@ -259,6 +203,50 @@ impl PodGc {
             }
         }
         Ok(())
+    }
+
+    /// Alive only while the election can work: a Lease it may not touch must turn
+    /// /healthz red, not leave a standby that never leads.
+    fn report_election_health(&self, leader: Option<&LeaderHandle>) {
+        match leader {
+            Some(l) if !l.healthy() => {
+                self.liveness.fail();
+                tracing::error!(failing_for = ?l.elector().failing_for(), "leader election gets no answer from the API server (forbidden, or unreachable): reporting unhealthy");
+            }
+            _ => self.liveness.stamp(),
+        }
+    }
+
+    /// One pass when leading (a newly won lead restarts every node's grace), an empty
+    /// summary otherwise; timed and counted.
+    async fn pass_if_leading(
+        &self,
+        r: &mut Runner,
+        leading: bool,
+        was_leading: &mut bool,
+    ) -> PassSummary {
+        if leading && !*was_leading {
+            r.clocks_restarted = Some(now());
+            tracing::info!("leading: every node's grace starts now");
+        }
+        *was_leading = leading;
+        self.metrics.leader.set(leading as i64);
+        let start = Instant::now();
+        let summary = if leading {
+            r.pass().await
+        } else {
+            r.seq += 1;
+            PassSummary {
+                seq: r.seq,
+                leader: false,
+                ..Default::default()
+            }
+        };
+        self.metrics.passes.inc();
+        self.metrics
+            .pass_duration_seconds
+            .observe(start.elapsed().as_secs_f64());
+        summary
     }
 }
 
@@ -283,5 +271,57 @@ impl Runner {
             }
         }
         next
+    }
+}
+
+/// The object podgc's own Events are about: its Lease (or, without an election, the
+/// Lease it would hold).
+fn lease_ref(cfg: &PodGcConfig) -> ObjectReference {
+    let (name, namespace) = match &cfg.leader_election {
+        Some(le) => (le.lease_name.clone(), le.namespace.clone()),
+        None => ("fencecsi-podgc".into(), "kube-system".into()),
+    };
+    ObjectReference {
+        api_version: Some("coordination.k8s.io/v1".into()),
+        kind: Some("Lease".into()),
+        name: Some(name),
+        namespace: Some(namespace),
+        ..Default::default()
+    }
+}
+
+/// The watches that feed the caches.
+struct Watches {
+    nodes: WatchStream<Node>,
+    leases: WatchStream<Lease>,
+    vas: WatchStream<VolumeAttachment>,
+    drivers: WatchStream<CSIDriver>,
+    pods: WatchStream<Pod>,
+}
+
+impl Watches {
+    fn open(cluster: &Cluster, cfg: &PodGcConfig) -> Result<Watches> {
+        Ok(Watches {
+            nodes: cluster.api::<Node>(None).watch(&WatchParams::default())?,
+            leases: match cfg.node_lease_grace {
+                Some(_) => cluster
+                    .api::<Lease>(Some(NODE_LEASE_NAMESPACE))
+                    .watch(&WatchParams::default())?,
+                None => futures::stream::pending().boxed(),
+            },
+            vas: cluster
+                .api::<VolumeAttachment>(None)
+                .watch(&WatchParams::default())?,
+            drivers: cluster
+                .api::<CSIDriver>(None)
+                .watch(&WatchParams::default())?,
+            // Finished pods never concern podgc; the rest only trigger passes: nothing is
+            // kept, and the (re-)list that starts the watch keeps no pod either.
+            pods: cluster.api::<Pod>(None).watch(
+                &WatchParams::default()
+                    .fields("status.phase!=Succeeded,status.phase!=Failed")
+                    .changes_only(),
+            )?,
+        })
     }
 }
