@@ -29,9 +29,12 @@ pub(crate) fn split_by_gate(
             None => {}
         }
     }
-    groups.retain(|grp| grp.iter().any(|l| pick(l)));
+    groups.retain(|grp| grp.iter().any(pick));
     (groups, plain)
 }
+
+/// A device and its state after a fence.
+pub(crate) type DeviceAfter = (PathBuf, Result<LoopInfo, loop_device::LoopError>);
 
 /// The fence of one gate and the devices stacked on it (see
 /// `kernel::loop_gate` for why this is a proof and not a bound):
@@ -47,14 +50,10 @@ pub(crate) fn split_by_gate(
 ///    [`crate::late_write_at`] finds it.
 ///
 /// No timed wait. Returns each device's state after, by device.
-pub(crate) fn shut_gate(
-    group: &[LoopInfo],
-    data_bytes: u64,
-    end: u64,
-) -> Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)> {
+pub(crate) fn shut_gate(group: &[LoopInfo], data_bytes: u64, end: u64) -> Vec<DeviceAfter> {
     let gate_path = group[0].gate.clone().expect("grouped by gate");
     let backing = (group[0].backing_dev, group[0].backing_ino);
-    let outcome = (|| -> Result<Vec<(PathBuf, Result<LoopInfo, loop_device::LoopError>)>, loop_device::LoopError> {
+    let outcome = (|| -> Result<Vec<DeviceAfter>, loop_device::LoopError> {
         let gate = HeldDevice::open(&gate_path, backing)?;
         // The devices above, from their own status (not from the listing,
         // which sees them through the gate): a device above that is skipped
@@ -88,7 +87,10 @@ pub(crate) fn shut_gate(
         if now.offset < data_bytes {
             gate.remap(end, loop_gate::SHUT_LIMIT)?;
         }
-        let mut out: Vec<_> = held.iter().map(|t| (t.path().to_path_buf(), t.status())).collect();
+        let mut out: Vec<_> = held
+            .iter()
+            .map(|t| (t.path().to_path_buf(), t.status()))
+            .collect();
         if held.is_empty() {
             out.push((gate_path.clone(), gate.status()));
         }
