@@ -12,6 +12,7 @@ use fencecsi_proto::v1::ControllerPublishVolumeRequest;
 use super::failure::Op;
 use super::{has_finalizer, Ctx, ReconcileError, REASON_ATTACHED, VA_NODE_ID_ANNOTATION};
 use crate::metrics::ATTACH;
+use crate::volume::CsiVolume;
 
 impl Ctx {
     pub(super) async fn attach(&self, va: VolumeAttachment) -> Result<(), ReconcileError> {
@@ -39,48 +40,12 @@ impl Ctx {
             Ok(id) => id,
             Err(e) => return self.failed(&va, Op::Attach, e).await,
         };
-        let annotated = va
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(VA_NODE_ID_ANNOTATION))
-            == Some(&node_id);
-        let va = if has_finalizer(&va.metadata, &self.finalizer) && annotated {
-            va
-        } else {
-            let patch = MetadataPatch::new()
-                .add_finalizer(&self.finalizer)
-                .set_annotation(VA_NODE_ID_ANNOTATION, &node_id);
-            match self.vas.patch_metadata(&name, &patch).await {
-                Ok(v) => v,
-                Err(e) if e.is_not_found() => return Ok(()),
-                // Deletion started meanwhile: its watch event queues the detach.
-                Err(e) if e.is_invalid() => return Ok(()),
-                Err(e) => {
-                    return Err(ReconcileError::kube(
-                        format!("adding the finalizer to VolumeAttachment {name}"),
-                        e,
-                    ))
-                }
-            }
+        let Some(va) = self.claim(va, &name, &node_id).await? else {
+            return Ok(());
         };
-
         let caps = self.caps();
         if !caps.publish_unpublish {
-            self.set_status(&va, |s| {
-                s.attached = true;
-                s.attach_error = None;
-            })
-            .await?;
-            self.event(
-                &va,
-                EventType::Normal,
-                REASON_ATTACHED,
-                format!(
-                    "marked attached to node {node}: the plugin has no ControllerPublishVolume"
-                ),
-            );
-            return Ok(());
+            return self.mark_attached_without_publish(&va, &node).await;
         }
         if !(self.may_act)() {
             return Err(ReconcileError::NotActive);
@@ -88,6 +53,70 @@ impl Ctx {
         if vol.wants_secrets {
             tracing::warn!(va = %name, "controllerPublishSecretRef is set but secrets are not supported; publishing without them");
         }
+        self.publish(&va, &node, node_id, vol).await
+    }
+
+    /// Our finalizer and the node ID annotation on the VolumeAttachment, unless both
+    /// are there. None when the object is gone or its deletion started meanwhile (its
+    /// watch event queues the detach).
+    async fn claim(
+        &self,
+        va: VolumeAttachment,
+        name: &str,
+        node_id: &str,
+    ) -> Result<Option<VolumeAttachment>, ReconcileError> {
+        let annotated = va
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(VA_NODE_ID_ANNOTATION))
+            .is_some_and(|id| id == node_id);
+        if has_finalizer(&va.metadata, &self.finalizer) && annotated {
+            return Ok(Some(va));
+        }
+        let patch = MetadataPatch::new()
+            .add_finalizer(&self.finalizer)
+            .set_annotation(VA_NODE_ID_ANNOTATION, node_id);
+        match self.vas.patch_metadata(name, &patch).await {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) if e.is_invalid() => Ok(None),
+            Err(e) => Err(ReconcileError::kube(
+                format!("adding the finalizer to VolumeAttachment {name}"),
+                e,
+            )),
+        }
+    }
+
+    async fn mark_attached_without_publish(
+        &self,
+        va: &VolumeAttachment,
+        node: &str,
+    ) -> Result<(), ReconcileError> {
+        self.set_status(va, |s| {
+            s.attached = true;
+            s.attach_error = None;
+        })
+        .await?;
+        self.event(
+            va,
+            EventType::Normal,
+            REASON_ATTACHED,
+            format!("marked attached to node {node}: the plugin has no ControllerPublishVolume"),
+        );
+        Ok(())
+    }
+
+    /// `ControllerPublishVolume`, then the status with the publish context; a failure
+    /// is recorded on the object and retried.
+    async fn publish(
+        &self,
+        va: &VolumeAttachment,
+        node: &str,
+        node_id: String,
+        vol: CsiVolume,
+    ) -> Result<(), ReconcileError> {
+        let name = va.metadata.name.as_deref().unwrap_or_default();
         let req = ControllerPublishVolumeRequest {
             volume_id: vol.handle.clone(),
             node_id: node_id.clone(),
@@ -102,7 +131,7 @@ impl Ctx {
                 let took = start.elapsed();
                 self.metrics.operation(ATTACH, true, took);
                 let meta: BTreeMap<String, String> = ctx.into_iter().collect();
-                self.set_status(&va, |s| {
+                self.set_status(va, |s| {
                     s.attached = true;
                     s.attachment_metadata = (!meta.is_empty()).then(|| meta.clone());
                     s.attach_error = None;
@@ -110,7 +139,7 @@ impl Ctx {
                 .await?;
                 tracing::info!(va = %name, volume = %vol.handle, node = %node, node_id = %node_id, ms = took.as_secs_f64() * 1e3, "attached");
                 self.event(
-                    &va,
+                    va,
                     EventType::Normal,
                     REASON_ATTACHED,
                     format!(
@@ -127,7 +156,7 @@ impl Ctx {
                     node_id,
                     status: s,
                 };
-                self.failed(&va, Op::Attach, e).await
+                self.failed(va, Op::Attach, e).await
             }
         }
     }
