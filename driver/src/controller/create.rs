@@ -78,19 +78,7 @@ impl Controller {
         &self,
         req: CreateVolumeRequest,
     ) -> CsiResult<CreateVolumeResponse> {
-        if req.name.is_empty() {
-            return Err(CsiError::InvalidArgument("name is required".into()));
-        }
-        if req.name.len() > 1024
-            || req
-                .name
-                .chars()
-                .any(|c| c.is_control() && !c.is_whitespace())
-        {
-            return Err(CsiError::InvalidArgument(
-                "name must be at most 1024 bytes without control characters".into(),
-            ));
-        }
+        check_name(&req.name)?;
         let access = capability::parse_all(&req.volume_capabilities)?;
         let fs_type = self.choose_fs(self.parse_parameters(&req.parameters)?, &access)?;
         let all_block = access.iter().all(|a| a.block);
@@ -103,109 +91,24 @@ impl Controller {
             Err(CsiError::OutOfRange(m)) => Err(m),
             Err(e) => return Err(e),
         };
-        if let Some(t) = &req.accessibility_requirements {
-            let ours = self.topology();
-            if !t.requisite.is_empty() && !t.requisite.contains(&ours) {
-                return Err(CsiError::ResourceExhausted(format!(
-                    "volumes can only be made accessible from {ours:?}"
-                )));
-            }
-        }
-        let source = match req
-            .volume_content_source
-            .as_ref()
-            .and_then(|s| s.r#type.as_ref())
-        {
-            None => None,
-            Some(SourceType::Snapshot(s)) => Some(Source::Snapshot(s.snapshot_id.clone())),
-            Some(SourceType::Volume(s)) => Some(Source::Volume(s.volume_id.clone())),
-        };
+        self.check_topology(&req)?;
+        let source = content_source(&req);
 
         let _name_lock = self.inflight.try_lock(format!("name:{}", req.name))?;
         if let Some(existing) = self.store.volume_by_name(&req.name) {
-            let lim = req
-                .capacity_range
-                .as_ref()
-                .map(|r| r.limit_bytes as u64)
-                .unwrap_or(0);
-            let reqb = req
-                .capacity_range
-                .as_ref()
-                .map(|r| r.required_bytes as u64)
-                .unwrap_or(0);
-            let fits =
-                existing.capacity_bytes >= reqb && (lim == 0 || existing.capacity_bytes <= lim);
-            if !fits || existing.source != source || existing.fs_type != fs_type {
-                return Err(CsiError::AlreadyExists(format!(
-                    "volume {} already exists with name {:?} but a different size, source or filesystem",
-                    existing.id, req.name
-                )));
-            }
-            let v = if existing.state == VolumeState::Creating {
-                self.finish_create(existing)?
-            } else {
-                existing
-            };
-            return Ok(CreateVolumeResponse {
-                volume: Some(self.to_csi(&v)),
-            });
+            return self.answer_existing(existing, &req, &source, &fs_type);
         }
 
         let size = size.map_err(CsiError::OutOfRange)?;
-
         // Check the source before writing anything.
-        let min_from_source = match &source {
-            None => 0,
-            Some(Source::Snapshot(raw)) => {
-                let snap = match SnapshotId::parse(raw)? {
-                    Parsed::Ours(s) => self.store.snapshot(&s).map(|m| (s, m)),
-                    Parsed::Foreign => None,
-                };
-                let (_, m) = snap
-                    .ok_or_else(|| CsiError::NotFound(format!("snapshot {raw} does not exist")))?;
-                m.size_bytes
-            }
-            Some(Source::Volume(raw)) => self.existing_volume(raw)?.1.capacity_bytes,
-        };
+        let min_from_source = self.source_size(&source)?;
         if size < min_from_source {
             return Err(CsiError::OutOfRange(format!(
                 "requested {size} bytes is smaller than the source ({min_from_source} bytes)"
             )));
         }
-
         let mutable_parameters = super::modify::validate(&req.mutable_parameters)?;
-        let id = VolumeId::generate();
-        let meta = VolumeMeta {
-            mutable_parameters,
-            // Set by the store when it writes the record.
-            version: 0,
-            id: id.to_string(),
-            name: req.name.clone(),
-            state: VolumeState::Creating,
-            capacity_bytes: size,
-            fs_type,
-            parameters: req
-                .parameters
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect::<BTreeMap<_, _>>(),
-            source,
-            created_at: now_nanos(),
-            current_generation: 1,
-            generations: BTreeMap::from([(
-                1,
-                Generation {
-                    created_at: now_nanos(),
-                    origin: None,
-                    fenced_at: None,
-                    fenced_node: None,
-                    data_bytes: Some(size),
-                    fence_reason: None,
-                },
-            )]),
-            attachments: BTreeMap::new(),
-            fenced_from: BTreeMap::new(),
-        };
+        let meta = new_volume(&req, size, fs_type, source, mutable_parameters);
         // The capacity is taken by the record: checked and written under one guard, so
         // concurrent creates cannot both take the last of it. A retry of this name finds
         // the record above and is not checked again.
@@ -223,6 +126,73 @@ impl Controller {
         tracing::info!(volume = %v.id, name = %v.name, size = v.capacity_bytes, fs = %v.fs_type, "volume created");
         Ok(CreateVolumeResponse {
             volume: Some(self.to_csi(&v)),
+        })
+    }
+
+    /// Only volumes reachable from this state dir's kernel can be made.
+    fn check_topology(&self, req: &CreateVolumeRequest) -> CsiResult<()> {
+        if let Some(t) = &req.accessibility_requirements {
+            let ours = self.topology();
+            if !t.requisite.is_empty() && !t.requisite.contains(&ours) {
+                return Err(CsiError::ResourceExhausted(format!(
+                    "volumes can only be made accessible from {ours:?}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// A retried create: the volume of that name, if the request matches it (finished
+    /// if a crash left it Creating), else ALREADY_EXISTS.
+    fn answer_existing(
+        &self,
+        existing: VolumeMeta,
+        req: &CreateVolumeRequest,
+        source: &Option<Source>,
+        fs_type: &str,
+    ) -> CsiResult<CreateVolumeResponse> {
+        let lim = req
+            .capacity_range
+            .as_ref()
+            .map(|r| r.limit_bytes as u64)
+            .unwrap_or(0);
+        let reqb = req
+            .capacity_range
+            .as_ref()
+            .map(|r| r.required_bytes as u64)
+            .unwrap_or(0);
+        let fits = existing.capacity_bytes >= reqb && (lim == 0 || existing.capacity_bytes <= lim);
+        if !fits || &existing.source != source || existing.fs_type != fs_type {
+            return Err(CsiError::AlreadyExists(format!(
+                "volume {} already exists with name {:?} but a different size, source or filesystem",
+                existing.id, req.name
+            )));
+        }
+        let v = if existing.state == VolumeState::Creating {
+            self.finish_create(existing)?
+        } else {
+            existing
+        };
+        Ok(CreateVolumeResponse {
+            volume: Some(self.to_csi(&v)),
+        })
+    }
+
+    /// The size of the snapshot or volume a new volume is made from (NOT_FOUND if it
+    /// does not exist); 0 without a source.
+    fn source_size(&self, source: &Option<Source>) -> CsiResult<u64> {
+        Ok(match source {
+            None => 0,
+            Some(Source::Snapshot(raw)) => {
+                let snap = match SnapshotId::parse(raw)? {
+                    Parsed::Ours(s) => self.store.snapshot(&s).map(|m| (s, m)),
+                    Parsed::Foreign => None,
+                };
+                let (_, m) = snap
+                    .ok_or_else(|| CsiError::NotFound(format!("snapshot {raw} does not exist")))?;
+                m.size_bytes
+            }
+            Some(Source::Volume(raw)) => self.existing_volume(raw)?.1.capacity_bytes,
         })
     }
 
@@ -315,5 +285,70 @@ impl Controller {
             }
         }
         why
+    }
+}
+
+fn check_name(name: &str) -> CsiResult<()> {
+    if name.is_empty() {
+        return Err(CsiError::InvalidArgument("name is required".into()));
+    }
+    if name.len() > 1024 || name.chars().any(|c| c.is_control() && !c.is_whitespace()) {
+        return Err(CsiError::InvalidArgument(
+            "name must be at most 1024 bytes without control characters".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn content_source(req: &CreateVolumeRequest) -> Option<Source> {
+    match req
+        .volume_content_source
+        .as_ref()
+        .and_then(|s| s.r#type.as_ref())
+    {
+        None => None,
+        Some(SourceType::Snapshot(s)) => Some(Source::Snapshot(s.snapshot_id.clone())),
+        Some(SourceType::Volume(s)) => Some(Source::Volume(s.volume_id.clone())),
+    }
+}
+
+/// The record of a new volume, Creating, with its first generation.
+fn new_volume(
+    req: &CreateVolumeRequest,
+    size: u64,
+    fs_type: String,
+    source: Option<Source>,
+    mutable_parameters: BTreeMap<String, String>,
+) -> VolumeMeta {
+    VolumeMeta {
+        mutable_parameters,
+        // Set by the store when it writes the record.
+        version: 0,
+        id: VolumeId::generate().to_string(),
+        name: req.name.clone(),
+        state: VolumeState::Creating,
+        capacity_bytes: size,
+        fs_type,
+        parameters: req
+            .parameters
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        source,
+        created_at: now_nanos(),
+        current_generation: 1,
+        generations: BTreeMap::from([(
+            1,
+            Generation {
+                created_at: now_nanos(),
+                origin: None,
+                fenced_at: None,
+                fenced_node: None,
+                data_bytes: Some(size),
+                fence_reason: None,
+            },
+        )]),
+        attachments: BTreeMap::new(),
+        fenced_from: BTreeMap::new(),
     }
 }

@@ -102,32 +102,7 @@ impl Controller {
         &self,
         req: CreateVolumeGroupSnapshotRequest,
     ) -> CsiResult<CreateVolumeGroupSnapshotResponse> {
-        if req.name.is_empty() {
-            return Err(CsiError::InvalidArgument("name is required".into()));
-        }
-        if req.source_volume_ids.is_empty() {
-            return Err(CsiError::InvalidArgument(
-                "source_volume_ids is required".into(),
-            ));
-        }
-        if let Some(k) = req
-            .parameters
-            .keys()
-            .find(|k| !k.starts_with("csi.storage.k8s.io/"))
-        {
-            return Err(CsiError::InvalidArgument(format!(
-                "unknown group snapshot parameter {k:?} (none are supported)"
-            )));
-        }
-        let mut sources = BTreeSet::new();
-        for raw in &req.source_volume_ids {
-            VolumeId::parse(raw)?;
-            if !sources.insert(raw.as_str()) {
-                return Err(CsiError::InvalidArgument(format!(
-                    "source volume {raw} is named twice"
-                )));
-            }
-        }
+        let sources = check_group_request(&req)?;
         let parameters: BTreeMap<String, String> = req
             .parameters
             .iter()
@@ -137,26 +112,7 @@ impl Controller {
             .inflight
             .try_lock(format!("group-snapshot-name:{}", req.name))?;
         if let Some(existing) = self.store.group_by_name(&req.name) {
-            let theirs: BTreeSet<&str> = existing
-                .source_volume_ids
-                .iter()
-                .map(String::as_str)
-                .collect();
-            if theirs != sources || existing.parameters != parameters {
-                return Err(CsiError::AlreadyExists(format!(
-                    "group snapshot {:?} already exists for volumes {:?}{}",
-                    req.name,
-                    existing.source_volume_ids,
-                    if theirs == sources {
-                        " with other parameters"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-            return Ok(CreateVolumeGroupSnapshotResponse {
-                group_snapshot: Some(self.to_csi_group(&existing)),
-            });
+            return self.answer_existing_group(existing, &req, &sources, &parameters);
         }
         let mut vids = Vec::with_capacity(req.source_volume_ids.len());
         for raw in &req.source_volume_ids {
@@ -166,15 +122,7 @@ impl Controller {
             .iter()
             .map(|v| self.inflight.try_lock(v.as_str()))
             .collect::<CsiResult<Vec<_>>>()?;
-        let mut members = Vec::with_capacity(vids.len());
-        for vid in &vids {
-            let v = self
-                .store
-                .volume(vid)
-                .ok_or_else(|| CsiError::NotFound(format!("volume {vid} does not exist")))?;
-            let gen = v.current_generation;
-            members.push((vid.clone(), gen, v.data_bytes(gen)));
-        }
+        let members = self.group_members(&vids)?;
         let total: u64 = members.iter().map(|(_, _, bytes)| bytes).sum();
         let _reserved = {
             let _guard = self.store.capacity_guard();
@@ -186,43 +134,7 @@ impl Controller {
         };
         let gid = generate_group_id();
         let sids: Vec<SnapshotId> = vids.iter().map(|_| SnapshotId::generate()).collect();
-        let discard = |why: &str| {
-            for sid in &sids {
-                if let Err(e) = self.backend.delete_snapshot(sid) {
-                    tracing::warn!(snapshot = %sid, error = %e, "cannot remove the copy of a group snapshot that failed ({why}); the next start removes it");
-                }
-            }
-        };
-        let (created_at, made) = {
-            // Every member's writers stop here, together, until `quiet` drops.
-            // The last member's copy thaws them once it has read its source.
-            let (quiet, atomic) = self.quiesce_group(&members)?;
-            let at = now_nanos();
-            let mut made: Vec<(CloneKind, u64)> = Vec::with_capacity(members.len());
-            for (i, ((vid, gen, bytes), sid)) in members.iter().zip(&sids).enumerate() {
-                let window = quiet.window(i + 1 == members.len());
-                match self.backend.snapshot(vid, *gen, *bytes, sid, &window) {
-                    Ok(m) => made.push(m),
-                    Err(e) => {
-                        let e = quiet.explain(vid, e.into());
-                        drop(quiet);
-                        discard("a copy failed");
-                        return Err(e);
-                    }
-                }
-            }
-            if let Some(i) = atomic {
-                if made[i].0 != CloneKind::Reflink {
-                    drop(quiet);
-                    discard("no reflink");
-                    return Err(CsiError::FailedPrecondition(format!(
-                        "volume {} is in use by writers that cannot be stopped, and its copy could not be made as a reflink: the group snapshot would not be point-in-time",
-                        members[i].0
-                    )));
-                }
-            }
-            (at, made)
-        };
+        let (created_at, made) = self.copy_members(&members, &sids)?;
         crate::failpoint::hit("group-snapshot:after-copy");
         let snaps: Vec<SnapshotMeta> = members
             .iter()
@@ -249,13 +161,105 @@ impl Controller {
         };
         if let Err(e) = self.store.put_group(&group, &snaps) {
             let _ = self.store.remove_group(&group);
-            discard("its records could not be written");
+            self.discard_copies(&sids, "its records could not be written");
             return Err(CsiError::internal("writing group snapshot metadata", e));
         }
         tracing::info!(group_snapshot = %gid, name = %req.name, volumes = ?req.source_volume_ids, snapshots = ?group.snapshot_ids, "group snapshot created");
         Ok(CreateVolumeGroupSnapshotResponse {
             group_snapshot: Some(self.to_csi_group(&group)),
         })
+    }
+
+    /// A retried create: the group of that name if it has the same volumes and
+    /// parameters, else ALREADY_EXISTS.
+    fn answer_existing_group(
+        &self,
+        existing: GroupSnapshotMeta,
+        req: &CreateVolumeGroupSnapshotRequest,
+        sources: &BTreeSet<&str>,
+        parameters: &BTreeMap<String, String>,
+    ) -> CsiResult<CreateVolumeGroupSnapshotResponse> {
+        let theirs: BTreeSet<&str> = existing
+            .source_volume_ids
+            .iter()
+            .map(String::as_str)
+            .collect();
+        if &theirs != sources || &existing.parameters != parameters {
+            return Err(CsiError::AlreadyExists(format!(
+                "group snapshot {:?} already exists for volumes {:?}{}",
+                req.name,
+                existing.source_volume_ids,
+                if &theirs == sources {
+                    " with other parameters"
+                } else {
+                    ""
+                }
+            )));
+        }
+        Ok(CreateVolumeGroupSnapshotResponse {
+            group_snapshot: Some(self.to_csi_group(&existing)),
+        })
+    }
+
+    /// Each member's current generation and its data size.
+    fn group_members(&self, vids: &[VolumeId]) -> CsiResult<Vec<(VolumeId, u64, u64)>> {
+        let mut members = Vec::with_capacity(vids.len());
+        for vid in vids {
+            let v = self
+                .store
+                .volume(vid)
+                .ok_or_else(|| CsiError::NotFound(format!("volume {vid} does not exist")))?;
+            let gen = v.current_generation;
+            members.push((vid.clone(), gen, v.data_bytes(gen)));
+        }
+        Ok(members)
+    }
+
+    /// Copies every member at one point in time: each member's writers stop together
+    /// until the last copy has read its source. A failed copy, or a member whose writers
+    /// could not be stopped and whose copy is not a reflink, discards every copy and
+    /// refuses. Returns the time of the copies and each copy's kind and size.
+    fn copy_members(
+        &self,
+        members: &[(VolumeId, u64, u64)],
+        sids: &[SnapshotId],
+    ) -> CsiResult<(i64, Vec<(CloneKind, u64)>)> {
+        // Every member's writers stop here, together, until `quiet` drops.
+        // The last member's copy thaws them once it has read its source.
+        let (quiet, atomic) = self.quiesce_group(members)?;
+        let at = now_nanos();
+        let mut made: Vec<(CloneKind, u64)> = Vec::with_capacity(members.len());
+        for (i, ((vid, gen, bytes), sid)) in members.iter().zip(sids).enumerate() {
+            let window = quiet.window(i + 1 == members.len());
+            match self.backend.snapshot(vid, *gen, *bytes, sid, &window) {
+                Ok(m) => made.push(m),
+                Err(e) => {
+                    let e = quiet.explain(vid, e.into());
+                    drop(quiet);
+                    self.discard_copies(sids, "a copy failed");
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(i) = atomic {
+            if made[i].0 != CloneKind::Reflink {
+                drop(quiet);
+                self.discard_copies(sids, "no reflink");
+                return Err(CsiError::FailedPrecondition(format!(
+                    "volume {} is in use by writers that cannot be stopped, and its copy could not be made as a reflink: the group snapshot would not be point-in-time",
+                    members[i].0
+                )));
+            }
+        }
+        Ok((at, made))
+    }
+
+    fn discard_copies(&self, sids: &[SnapshotId], why: &str) {
+        for sid in sids {
+            if let Err(e) = self.backend.delete_snapshot(sid) {
+                tracing::warn!(snapshot = %sid, error = %e, "cannot remove the copy of a group snapshot that failed ({why}); the next start removes it");
+            }
+        }
     }
 
     pub(super) fn delete_group_snapshot(
@@ -425,6 +429,38 @@ impl CsiGroupController for GroupControllerService {
         })
         .await
     }
+}
+
+/// What can be checked of a request before anything is read: a name, source volumes
+/// named once each, no parameter but the CO's own. Returns the sources as a set.
+fn check_group_request(req: &CreateVolumeGroupSnapshotRequest) -> CsiResult<BTreeSet<&str>> {
+    if req.name.is_empty() {
+        return Err(CsiError::InvalidArgument("name is required".into()));
+    }
+    if req.source_volume_ids.is_empty() {
+        return Err(CsiError::InvalidArgument(
+            "source_volume_ids is required".into(),
+        ));
+    }
+    if let Some(k) = req
+        .parameters
+        .keys()
+        .find(|k| !k.starts_with("csi.storage.k8s.io/"))
+    {
+        return Err(CsiError::InvalidArgument(format!(
+            "unknown group snapshot parameter {k:?} (none are supported)"
+        )));
+    }
+    let mut sources = BTreeSet::new();
+    for raw in &req.source_volume_ids {
+        VolumeId::parse(raw)?;
+        if !sources.insert(raw.as_str()) {
+            return Err(CsiError::InvalidArgument(format!(
+                "source volume {raw} is named twice"
+            )));
+        }
+    }
+    Ok(sources)
 }
 
 #[cfg(test)]
