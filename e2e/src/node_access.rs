@@ -161,13 +161,18 @@ running() {{
   printf '%s\n' "$status" | grep -q '^Name:[[:space:]]*kubelet$' &&
     ! printf '%s\n' "$status" | grep -q '^State:[[:space:]]*Z'
 }}
-# A kubelet that ends between the check and the signal is what stop wants.
+# A kubelet that ends between the check and the signal is what stop wants. Each wait is
+# bounded: 30 s for SIGTERM, then 10 s for SIGKILL to take (a process still tearing
+# down its threads is not a zombie yet).
 stop() {{
   running || return 0
   kill -TERM "$pid" 2>/dev/null
   i=0
   while running && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
-  if running; then kill -KILL "$pid" 2>/dev/null; fi
+  running || return 0
+  kill -KILL "$pid" 2>/dev/null
+  i=0
+  while running && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
   ! running
 }}
 # The kubelet runs under a shell of its own that waits for it, so it is reaped when it
@@ -176,8 +181,10 @@ start() {{
   running && return 0
   rm -f "$pid_file"
   setsid sh -c '"$@" & echo $! >"$0"; wait' "$pid_file" {argv} >>{log} 2>&1 </dev/null &
+  # Started once the kubelet runs under its name (the pid is written before the exec).
   i=0
-  while [ ! -s "$pid_file" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+  while ! running && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+  running
 }}
 case "$1 $2" in
   "stop kubelet") stop ;;

@@ -156,10 +156,10 @@ const HEARTBEAT_AFTER_RESTART: &str =
 ///   drop it), the driver answers an ext4 online grow with FAILED_PRECONDITION and grows
 ///   the filesystem at the next stage instead, so the two specs that wait for the grow
 ///   while the pod runs cannot pass there.
-/// - A v1.32.0 pre-release kubelet (the code freeze this suite is built from) posts no
-///   node status after a restart until the status changes: it skips the periodic
-///   report while its last-report time is zero. The quick-restart specs wait a minute
-///   for that heartbeat and fail, whatever the driver does.
+/// - A v1.32 kubelet before v1.32.3 (the code freeze this suite is built from among
+///   them) posts no node status after a restart until the status changes: it skips the
+///   periodic report while its last-report time is zero. The quick-restart specs wait a
+///   minute for that heartbeat and fail, whatever the driver does.
 pub fn local_skips(def: &Definition, kubelet_version: &str) -> Vec<(&'static str, String)> {
     let mut skips = Vec::new();
     if def.name == "ext4" && !bounding_set_has(CAP_SYS_RESOURCE) {
@@ -175,8 +175,9 @@ pub fn local_skips(def: &Definition, kubelet_version: &str) -> Vec<(&'static str
             HEARTBEAT_AFTER_RESTART,
             format!(
                 "kubelet {kubelet_version} sends no heartbeat after a restart until its node's \
-                 status changes (kubernetes#130001, fixed by #130305 after the code freeze); \
-                 with that fix applied to this kubelet the specs pass (docs/conformance.md)"
+                 status changes (kubernetes#130001: #128640 made it, its revert #130348 \
+                 undid it after the code freeze, in v1.32 from v1.32.3); with the fix \
+                 applied to this kubelet the specs pass (docs/conformance.md)"
             ),
         ));
     }
@@ -195,10 +196,16 @@ fn kubelet_version(c: &Cluster) -> Result<String> {
     Ok(v.trim().to_string())
 }
 
-/// Whether `version` (the Node's `kubeletVersion`) is a v1.32.0 pre-release, whose
-/// `isUpdateStatusPeriodExperid` answers false while no status was reported yet.
+/// Whether `version` (the Node's `kubeletVersion`) is a v1.32 kubelet whose
+/// `isUpdateStatusPeriodExperid` answers false while no status was reported yet: the
+/// pre-releases and v1.32.0 to v1.32.2 (the revert reached release-1.32 as #130356,
+/// merged after v1.32.2 was out).
 fn kubelet_lacks_first_report(version: &str) -> bool {
-    version.starts_with("v1.32.0-")
+    let Some(rest) = version.strip_prefix("v1.32.") else {
+        return false;
+    };
+    let patch: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    patch.parse::<u32>().is_ok_and(|p| p <= 2)
 }
 
 const CAP_SYS_RESOURCE: u32 = 24;
@@ -565,10 +572,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_code_freeze_kubelets_lose_the_restart_specs() {
-        assert!(kubelet_lacks_first_report("v1.32.0-beta.0"));
-        assert!(kubelet_lacks_first_report("v1.32.0-rc.1"));
-        for fixed_or_unknown in ["v1.32.3", "v1.33.0", "v1.31.4", ""] {
+    fn only_the_affected_kubelets_lose_the_restart_specs() {
+        for affected in ["v1.32.0-beta.0", "v1.32.0-rc.1", "v1.32.0", "v1.32.2"] {
+            assert!(kubelet_lacks_first_report(affected), "{affected}");
+        }
+        for fixed_or_unknown in ["v1.32.3", "v1.32.10", "v1.33.0", "v1.31.4", "v1.3.2", ""] {
             assert!(
                 !kubelet_lacks_first_report(fixed_or_unknown),
                 "{fixed_or_unknown}"

@@ -179,7 +179,7 @@ impl Controller {
     }
 
     /// The size of the snapshot or volume a new volume is made from (NOT_FOUND if it
-    /// does not exist); 0 without a source.
+    /// does not exist, INVALID_ARGUMENT if its ID is malformed); 0 without a source.
     fn source_size(&self, source: &Option<Source>) -> CsiResult<u64> {
         Ok(match source {
             None => 0,
