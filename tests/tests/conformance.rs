@@ -1750,16 +1750,34 @@ async fn controller_get_volume_reports_status_and_condition() {
 
 // ---------------------------------------------------------------- expansion
 
-async fn expand_online(fs: &str, from: i64, to: i64) {
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+/// A volume of the expansion tests, published on node-a with 1 MiB of data in it.
+struct Grown {
+    id: String,
+    cap: csi::VolumeCapability,
+    ctx: HashMap<String, String>,
+    staging: PathBuf,
+    target: PathBuf,
+    /// The data's checksum.
+    sum: String,
+}
+
+/// Creates `pvc-<name>-<fs>` of `from` bytes, attaches, stages and publishes it on
+/// node-a (target `pod-<name>`/`pv-<name>`), and writes 1 MiB of `seed`'s data.
+async fn published_with_payload(
+    env: &Env,
+    c: &mut CsiClient,
+    fs: &str,
+    name: &str,
+    from: i64,
+    seed: u32,
+) -> Grown {
     let cap = mount_cap(Access::SingleNodeWriter, fs);
-    let id = create(&mut c, &format!("pvc-grow-{fs}"), from, &cap, &[])
+    let id = create(c, &format!("pvc-{name}-{fs}"), from, &cap, &[])
         .await
         .volume_id;
-    let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
+    let ctx = cpublish(c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
-    let target = pod_target(&env, "node-a", "pod-grow", "pv-grow");
+    let target = pod_target(env, "node-a", &format!("pod-{name}"), &format!("pv-{name}"));
     c.node
         .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
         .await
@@ -1768,7 +1786,28 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
         .await
         .unwrap();
-    let sum = write_payload(&target.join("keep.bin"), 9, 1 << 20);
+    let sum = write_payload(&target.join("keep.bin"), seed, 1 << 20);
+    Grown {
+        id,
+        cap,
+        ctx,
+        staging,
+        target,
+        sum,
+    }
+}
+
+async fn expand_online(fs: &str, from: i64, to: i64) {
+    let env = Env::new();
+    let (plugin, mut c) = start_all(&env).await;
+    let Grown {
+        id,
+        cap,
+        ctx,
+        staging,
+        target,
+        sum,
+    } = published_with_payload(&env, &mut c, fs, "grow", from, 9).await;
     let before = statvfs_total(&target);
 
     let cexp = |id: &str, r: Option<csi::CapacityRange>| csi::ControllerExpandVolumeRequest {
@@ -1926,22 +1965,14 @@ async fn expand_xfs_online() {
 async fn expand_unstaged(fs: &str, from: i64, to: i64) {
     let env = Env::new();
     let (plugin, mut c) = start_all(&env).await;
-    let cap = mount_cap(Access::SingleNodeWriter, fs);
-    let id = create(&mut c, &format!("pvc-grow-off-{fs}"), from, &cap, &[])
-        .await
-        .volume_id;
-    let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
-    let staging = env.staging_path("node-a", &id);
-    let target = pod_target(&env, "node-a", "pod-grow-off", "pv-grow-off");
-    c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
-        .await
-        .unwrap();
-    c.node
-        .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
-        .await
-        .unwrap();
-    let sum = write_payload(&target.join("keep.bin"), 7, 1 << 20);
+    let Grown {
+        id,
+        cap,
+        ctx,
+        staging,
+        target,
+        sum,
+    } = published_with_payload(&env, &mut c, fs, "grow-off", from, 7).await;
     let before = statvfs_total(&target);
     node_unpublish(&mut c, &id, &target).await;
     node_unstage(&mut c, &id, &staging).await;

@@ -18,7 +18,7 @@ use crate::ids::{Parsed, SnapshotId, VolumeId};
 /// StorageClass parameter naming the filesystem.
 pub const PARAM_FS_TYPE: &str = "fsType";
 /// Parameters Kubernetes sidecars may add; accepted and ignored.
-const K8S_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
+pub(super) const K8S_PARAM_PREFIX: &str = "csi.storage.k8s.io/";
 /// The StorageClass's filesystem as external-provisioner reads it. It strips
 /// the key before CreateVolume (the filesystem comes in the capability), but
 /// its capacity controller passes the class's raw parameters to GetCapacity.

@@ -442,15 +442,7 @@ fn check_group_request(req: &CreateVolumeGroupSnapshotRequest) -> CsiResult<BTre
             "source_volume_ids is required".into(),
         ));
     }
-    if let Some(k) = req
-        .parameters
-        .keys()
-        .find(|k| !k.starts_with("csi.storage.k8s.io/"))
-    {
-        return Err(CsiError::InvalidArgument(format!(
-            "unknown group snapshot parameter {k:?} (none are supported)"
-        )));
-    }
+    super::snapshots::refuse_own_parameters(&req.parameters, "group snapshot")?;
     let mut sources = BTreeSet::new();
     for raw in &req.source_volume_ids {
         VolumeId::parse(raw)?;

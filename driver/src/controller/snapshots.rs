@@ -34,6 +34,22 @@ pub(super) fn to_csi(s: &SnapshotMeta) -> Snapshot {
     }
 }
 
+/// Refuses any parameter but the ones Kubernetes' sidecars add: snapshots take none.
+pub(super) fn refuse_own_parameters(
+    parameters: &std::collections::HashMap<String, String>,
+    what: &str,
+) -> CsiResult<()> {
+    match parameters
+        .keys()
+        .find(|k| !k.starts_with(super::create::K8S_PARAM_PREFIX))
+    {
+        Some(k) => Err(CsiError::InvalidArgument(format!(
+            "unknown {what} parameter {k:?} (none are supported)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 impl Controller {
     /// CreateSnapshot: a point-in-time copy of a volume (frozen while it is read).
     pub(super) fn create_snapshot(
@@ -48,15 +64,7 @@ impl Controller {
                 "source_volume_id is required".into(),
             ));
         }
-        if let Some(k) = req
-            .parameters
-            .keys()
-            .find(|k| !k.starts_with("csi.storage.k8s.io/"))
-        {
-            return Err(CsiError::InvalidArgument(format!(
-                "unknown snapshot parameter {k:?} (none are supported)"
-            )));
-        }
+        refuse_own_parameters(&req.parameters, "snapshot")?;
         let _name_lock = self
             .inflight
             .try_lock(format!("snapshot-name:{}", req.name))?;
