@@ -2362,6 +2362,19 @@ fn the_controller_is_replaced_in_about_a_minute_and_never_doubled() {
     }
 }
 
+/// A frozen plugin is taken over from through its kill switch, which cannot end the init of
+/// a pid namespace (the plugin arms none then): the pod shares one pid namespace, whose
+/// init is the sandbox's.
+#[test]
+fn the_controller_plugin_is_not_the_init_of_its_pid_namespace() {
+    let pod = pod_spec_of_deployment(&controller());
+    assert_eq!(
+        pod.share_process_namespace,
+        Some(true),
+        "the controller pod shares its pid namespace"
+    );
+}
+
 /// On termination every container gets its preStop hook, then SIGTERM, at once. The plugin
 /// must outlive its clients' drain, and the grace period must cover the plugin's own.
 #[test]

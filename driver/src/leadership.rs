@@ -1,26 +1,29 @@
 //! Controller plugin leadership: several replicas, one serving the state dir.
 //!
-//! The state dir has one owner at a time (`controller.lock`), and a controller whose node
+//! The state dir has one owner at a time (`locks::OwnerLock`), and a controller whose node
 //! is cut off still holds it: without more, nothing fails over until that node comes
 //! back. With `--leader-election` a controller plugin serves the state dir only while it
 //! holds a coordination.k8s.io Lease (`cluster::leader`, the client-go algorithm):
 //!
 //! - a standby serves the Identity service and ControllerGetCapabilities (its sidecars
 //!   need them to start and to stay live), and answers every other controller call
-//!   UNAVAILABLE; it opens the state dir only once it leads, waiting for the ownership
-//!   lock of a former leader that is still exiting (or frozen) for as long as it leads;
+//!   UNAVAILABLE; it opens the state dir only once it leads;
 //! - a leader that has not renewed its Lease for `--leader-election-renew-deadline` exits
 //!   (`LOST_LEADERSHIP_EXIT`) once it has thawed what its running copies froze (at most
 //!   2 s; no freeze starts after): the kernel then drops the ownership lock with the
 //!   process, whatever calls were running (every operation is crash-safe). It needs no
 //!   API server to do so, which it may not reach. The renew deadline is shorter than the
-//!   lease duration, so it is gone before a standby may take the Lease over, and the
-//!   ownership lock stays the last word if it is not.
+//!   lease duration, so it is gone before a standby may take the Lease over;
+//! - a new leader that still finds the state dir owned (a former leader frozen on a paused
+//!   node cannot exit) fires the owner's kill switch: the kernel queues SIGKILL to it
+//!   wherever it runs on this kernel, and it dies before it runs again. The new leader
+//!   takes the state dir once that owner exited or, frozen, after `locks::TAKEOVER_WAIT`
+//!   (see `locks::owner_lock`). Only the driver's own process arms a switch; an owner
+//!   without one (served in-process) is waited for while this replica leads.
 //!
 //! So the controller fails over in about `--leader-election-lease-duration` (15 s by
-//! default) after its node is cut off, plus the standby's start-up pass. A leader that is
-//! frozen (a paused node) cannot exit and keeps the state dir's lock until it runs again:
-//! the kernel's lock cannot tell it from a slow one, so that case waits.
+//! default) after its node is cut off, plus the standby's start-up pass, and a frozen
+//! node adds at most `TAKEOVER_WAIT` to that.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -36,6 +39,7 @@ use tonic::{Request, Response, Status};
 use crate::config::Config;
 use crate::controller::Controller;
 use crate::identity::IdentityService;
+use crate::locks::Claim;
 use crate::socket::{bind, ServeError};
 
 /// The exit code of a leader that lost its Lease.
@@ -57,14 +61,16 @@ pub type OnLostLeadership = Box<dyn FnOnce() + Send>;
 
 /// Stands by until this replica leads and has opened the state dir: serves the standby
 /// services on the plugin's socket meanwhile, and stops them once the state dir is open
-/// (the socket is served again right after, by the whole plugin). A former leader may
-/// still hold the state dir's ownership lock (exiting, or frozen: a paused node keeps
-/// its process and its lock): that is waited for while this replica leads, with the
+/// (the socket is served again right after, by the whole plugin). A former leader that
+/// still holds the state dir is killed through its switch and taken over from (see the
+/// module docs); one without a switch is waited for while this replica leads, with the
 /// standby answers; if it stops leading meanwhile, it stands by again.
-/// `cluster`: the API server (else `cfg.kube`'s).
+/// `cluster`: the API server (else `cfg.kube`'s); `kill_switch`: arm this process's (see
+/// `ServeHooks::kill_switch`).
 pub async fn lead(
     cfg: &Config,
     cluster: Option<Cluster>,
+    kill_switch: bool,
 ) -> Result<(LeaderHandle, Arc<Controller>), ServeError> {
     let cluster = match cluster {
         Some(c) => c,
@@ -83,7 +89,7 @@ pub async fn lead(
     let controller = loop {
         handle.wait_for_leadership().await;
         tracing::info!(identity = %election.identity, "leading: opening the state dir");
-        if let Some(c) = open_while_leading(cfg, &handle).await? {
+        if let Some(c) = open_while_leading(cfg, &handle, kill_switch).await? {
             break c;
         }
         tracing::warn!("stopped leading before the state dir could be opened: standing by again");
@@ -100,21 +106,26 @@ pub async fn lead(
 async fn open_while_leading(
     cfg: &Config,
     handle: &LeaderHandle,
+    kill_switch: bool,
 ) -> Result<Option<Arc<Controller>>, ServeError> {
     let start = Instant::now();
     let mut next_log = start;
+    let claim = Claim {
+        arm: kill_switch,
+        take_over: true,
+    };
     while handle.is_leader() {
         let c = cfg.clone();
-        let opened = tokio::task::spawn_blocking(move || Controller::open(c))
+        let opened = tokio::task::spawn_blocking(move || Controller::open_claiming(c, claim))
             .await
             .map_err(|e| ServeError::Config(format!("opening controller state: {e}")))?;
         match opened {
             Ok(c) => return Ok(Some(c)),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                // Once, then every lease duration: a former leader that is frozen
-                // keeps the lock until it runs again.
+                // Once, then every lease duration: a former leader without a kill
+                // switch keeps the lock until it exits.
                 if Instant::now() >= next_log {
-                    tracing::warn!(error = %e, waited_s = start.elapsed().as_secs(), "leading, but a former leader still owns the state dir (exiting, or frozen); waiting for it");
+                    tracing::warn!(error = %e, waited_s = start.elapsed().as_secs(), "leading, but a former leader still owns the state dir; waiting for it");
                     next_log += cfg.election.lease_duration;
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;

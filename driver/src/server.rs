@@ -41,6 +41,11 @@ pub struct ServeHooks {
     pub leader_cluster: Option<fencecsi_cluster::Cluster>,
     /// What happens when this controller stops leading; default: the process exits.
     pub on_lost_leadership: Option<crate::leadership::OnLostLeadership>,
+    /// Arm the controller's kill switch (`locks::kill_switch`): a successor that leads the
+    /// Lease SIGKILLs this whole process through it when it finds the state dir still held.
+    /// Only for the driver's own process; off in a program that serves the plugin
+    /// in-process (then a successor waits for the ownership lock instead).
+    pub kill_switch: bool,
 }
 
 /// What an embedder learns about the plugin's metrics (see [`serve_with_metrics`]).
@@ -155,10 +160,17 @@ fn io_error(what: &str) -> impl FnOnce(std::io::Error) -> ServeError {
 async fn open_services(cfg: &Config, hooks: &mut ServeHooks) -> Result<Services, ServeError> {
     // With leader election, a standby serves only what its sidecars need until it leads.
     let (lease, controller) = if cfg.mode.controller() && cfg.election.enabled {
-        let (lease, c) = crate::leadership::lead(cfg, hooks.leader_cluster.take()).await?;
+        let (lease, c) =
+            crate::leadership::lead(cfg, hooks.leader_cluster.take(), hooks.kill_switch).await?;
         (Some(lease), Some(c))
     } else if cfg.mode.controller() {
-        let c = Controller::open(cfg.clone()).map_err(io_error("opening controller state"))?;
+        // Armed here too: a leader (of a later, elected deployment) can then take over.
+        let claim = crate::locks::Claim {
+            arm: hooks.kill_switch,
+            take_over: false,
+        };
+        let c = Controller::open_claiming(cfg.clone(), claim)
+            .map_err(io_error("opening controller state"))?;
         (None, Some(c))
     } else {
         (None, None)

@@ -490,14 +490,11 @@ fn stalled(pid: u32) -> bool {
     fencecsi_tests::has_thread_named(pid, failpoint::STALLED_THREAD)
 }
 
-/// Whether this process can take `<state>/controller.lock` now (and lets go at once).
+/// Whether no process holds the state dir's ownership lock now (asked of the kernel).
 fn ownership_is_free(env: &Env) -> bool {
-    let f = std::fs::File::open(env.state_dir().join("controller.lock")).unwrap();
-    match f.try_lock() {
-        Ok(()) => true,
-        Err(std::fs::TryLockError::WouldBlock) => false,
-        Err(std::fs::TryLockError::Error(e)) => panic!("locking controller.lock: {e}"),
-    }
+    fencecsi_driver::locks::owner_of(&env.state_dir())
+        .expect("reading the ownership lock")
+        .is_none()
 }
 
 /// SIGTERM while a call whose client gave up still runs: the controller stops
@@ -584,16 +581,16 @@ async fn sigterm_with_an_abandoned_call_keeps_the_state_dir_until_it_returns() {
         "the second controller is refused: {status}"
     );
     // Refused for the ownership, not for anything else: it never served, and the
-    // lock file still names the first.
+    // lock still names the first.
     assert!(
         !second.socket.exists(),
         "the refused controller made its socket"
     );
-    let owner = std::fs::read_to_string(env.state_dir().join("controller.lock")).unwrap();
+    let owner = fencecsi_driver::locks::owner_of(&env.state_dir()).unwrap();
     assert_eq!(
-        owner.trim(),
-        pid.to_string(),
-        "controller.lock names its owner"
+        owner.map(|h| h.pid),
+        Some(pid),
+        "the ownership lock names its owner"
     );
 
     // Positive control: with the old process gone, the state dir is free and a

@@ -26,6 +26,10 @@
 //!   the refusal nor a controller restart thaws it;
 //! - a freeze is let go at `--max-freeze` even while the copy is held: the
 //!   writer goes on, and the copy is refused and leaves nothing;
+//! - a controller paused mid-copy (its cgroup frozen) is taken over by a replica that
+//!   leads, through its kill switch: the new leader thaws the filesystem before it
+//!   serves, though the paused one still holds the freeze record's lock, and the paused
+//!   one dies of the SIGKILL the kernel held for it once it runs again;
 //! - a leader that loses its Lease mid-copy thaws what the copy froze as it
 //!   gives up, and the abandoned copy is refused and leaves nothing.
 //!
@@ -44,6 +48,7 @@ use fencecsi_cluster::Cluster;
 use fencecsi_driver::config::{Config, Mode};
 use fencecsi_driver::controller::FP_COPYING;
 use fencecsi_driver::failpoint;
+use fencecsi_fence::kernel::test_freezer::{shared_pending, Freezer, SIGKILL_PENDING};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_proto::v1::group_controller_client::GroupControllerClient;
 use fencecsi_tests::records::{check, missing, RECORD_SIZE};
@@ -446,6 +451,59 @@ fn volume_dirs(env: &Env) -> BTreeSet<String> {
         .collect()
 }
 
+/// A volume on node-a with a writer at work, and a snapshot of it held in its copy.
+struct MidCopy {
+    rig: Rig,
+    vol: String,
+    p: Placement,
+    writer: Writer,
+    thaw: ThawOnDrop,
+    call: tokio::task::JoinHandle<Result<csi::Snapshot, tonic::Status>>,
+}
+
+/// Attaches a volume on node-a through `controller` (at `ctl`), starts its writer, and asks
+/// for a snapshot: it freezes the filesystem and stalls in its copy, and its freeze record
+/// names the filesystem and the controller.
+async fn stalled_mid_copy(env: &Env, controller: &Process, ctl: CsiClient) -> MidCopy {
+    let rig = Rig::start_nodes(env, &["node-a"], ctl).await;
+    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
+    let (vol, p) = rig
+        .create_attached(env, "frozen", SIZE, &cap, "node-a", "pod-a")
+        .await;
+    let vol = vol.volume_id;
+    let writer = start_writer(&p);
+    let thaw = ThawOnDrop(vec![p.staging.clone(), p.target.clone()]);
+    wait_acked(&writer, 50, Duration::from_secs(30), "before the snapshot").await;
+    let call = tokio::spawn(snapshot(rig.controller.clone(), "snap", &vol));
+    wait_stalled(controller).await;
+    assert_recorded(env, controller.child.id(), &[(&vol, &p.staging)]);
+    MidCopy {
+        rig,
+        vol,
+        p,
+        writer,
+        thaw,
+        call,
+    }
+}
+
+/// Stops the writer of [`stalled_mid_copy`]'s volume (nothing acknowledged lost), checks
+/// that the retried snapshot `snap` is one instant holding what was acknowledged before it
+/// was asked for (`asked`), and removes both.
+async fn check_and_remove(
+    rig: &Rig,
+    env: &Env,
+    writer: Writer,
+    p: &Placement,
+    asked: u64,
+    snap: csi::Snapshot,
+) {
+    let before = stop_and_check(writer, p, asked);
+    assert_snapshot_holds(rig, env, &snap.snapshot_id, before, "the retried snapshot").await;
+    rig.detach_and_delete(p).await.unwrap();
+    rig.delete_snapshot(snap.snapshot_id).await;
+}
+
 /// The controller SIGKILLed in the middle of a snapshot's copy, with the
 /// volume's filesystem frozen: the restarted controller thaws it before it
 /// serves, and the retried snapshot succeeds.
@@ -454,21 +512,14 @@ async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
     require_root!();
     let (outer, env) = ext4_backing();
     let (ccfg, mut crashing, ctl) = crashing_controller(&env).await;
-    let mut rig = Rig::start_nodes(&env, &["node-a"], ctl).await;
-    let cap = mount_cap(Access::SingleNodeWriter, "ext4");
-    let (vol, p) = rig
-        .create_attached(&env, "frozen", SIZE, &cap, "node-a", "pod-a")
-        .await;
-    let vol = vol.volume_id;
-    let writer = start_writer(&p);
-    let _thaw = ThawOnDrop(vec![p.staging.clone(), p.target.clone()]);
-    wait_acked(&writer, 50, Duration::from_secs(30), "before the snapshot").await;
-
-    // The snapshot freezes the filesystem and stalls in its copy; its record
-    // names the filesystem and the controller.
-    let call = tokio::spawn(snapshot(rig.controller.clone(), "snap", &vol));
-    wait_stalled(&crashing).await;
-    assert_recorded(&env, crashing.child.id(), &[(&vol, &p.staging)]);
+    let MidCopy {
+        mut rig,
+        vol,
+        p,
+        writer,
+        thaw: _thaw,
+        call,
+    } = stalled_mid_copy(&env, &crashing, ctl).await;
 
     crashing.kill9();
     let killed_at = Instant::now();
@@ -487,21 +538,107 @@ async fn a_freeze_left_by_a_killed_controller_is_thawed_at_its_restart() {
     let more = writer.acked() + 20;
     wait_acked(&writer, more, RESUME_BOUND, "the writer after the snapshot").await;
     assert_eq!(freeze_records(&env), Vec::<PathBuf>::new());
-    // Nothing acknowledged was lost, and the snapshot is one instant holding
-    // what was acknowledged before it.
-    let before = stop_and_check(writer, &p, asked);
-    assert_snapshot_holds(
-        &rig,
-        &env,
-        &snap.snapshot_id,
-        before,
-        "the retried snapshot",
-    )
-    .await;
-    rig.detach_and_delete(&p).await.unwrap();
-    rig.delete_snapshot(snap.snapshot_id).await;
+    check_and_remove(&rig, &env, writer, &p, asked, snap).await;
     drop(restarted);
     rig.stop().await;
+    env.assert_clean();
+    drop(env);
+    drop(outer);
+}
+
+/// The controller frozen (its node paused) in the middle of a snapshot's copy, with the
+/// volume's filesystem frozen: it can neither thaw nor let go of the state dir, and its
+/// freeze record's lock stays held. A replica that leads takes the state dir over through
+/// the frozen controller's kill switch (the kernel then holds SIGKILL pending for it), and
+/// thaws the filesystem before it serves. The volume's attachments lock, which the paused
+/// controller took for its copy, stays its own until it runs again (not covered: calls that
+/// need it are refused meanwhile). Thawed, the former controller dies of that SIGKILL,
+/// nothing it held is frozen again, and the retried snapshot succeeds on the new leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_controller_is_taken_over_and_its_freeze_thawed_by_the_new_leader() {
+    require_root!();
+    if !Freezer::available() {
+        return;
+    }
+    let (outer, env) = ext4_backing();
+    let (_, mut frozen, ctl) = crashing_controller(&env).await;
+    let MidCopy {
+        mut rig,
+        vol,
+        p,
+        writer,
+        thaw: _thaw,
+        call,
+    } = stalled_mid_copy(&env, &frozen, ctl).await;
+    let pid = frozen.child.id();
+    let paused_node = Freezer::new("controller");
+    paused_node.add(pid);
+    paused_node.freeze();
+    // Positive control: the freeze holds while its controller is paused.
+    let acked = assert_blocked(&[&writer], Instant::now()).await;
+    assert_eq!(
+        shared_pending(pid) & SIGKILL_PENDING,
+        0,
+        "nothing killed it yet"
+    );
+
+    let cluster = Cluster::embedded();
+    let mut leader = Replica::start_with(replica_config(&env, "leader"), &cluster);
+    rig.controller = leader.wait_leading(Duration::from_secs(60)).await;
+    assert_ne!(
+        shared_pending(pid) & SIGKILL_PENDING,
+        0,
+        "the kernel holds SIGKILL pending for the paused controller"
+    );
+    assert_eq!(
+        fencecsi_driver::locks::owner_of(&env.state_dir())
+            .unwrap()
+            .map(|h| h.pid),
+        Some(std::process::id()),
+        "the state dir is the new leader's"
+    );
+    // Thawed before the new leader served, though the record's lock is still held.
+    wait_acked(
+        &writer,
+        acked[0] + 20,
+        RESUME_BOUND,
+        "the writer after the takeover",
+    )
+    .await;
+    wait_no_freeze_records(&env, "the taken-over freeze is settled").await;
+
+    // Not covered: the paused controller still holds the volume's attachments lock (the
+    // copy took it), which no one can take from it; calls that need it are refused, within
+    // their bound, until it runs again and dies.
+    let held = snapshot(rig.controller.clone(), "snap", &vol)
+        .await
+        .expect_err("the volume's lock is the paused controller's");
+    assert_eq!(held.code(), Code::Aborted, "{held:?}");
+    assert!(held.message().contains("attachments lock"), "{held:?}");
+
+    // The paused node runs again: its controller dies before it acts, and its locks go.
+    paused_node.thaw();
+    let status = tokio::task::block_in_place(|| frozen.child.wait()).unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+    assert!(call.await.unwrap().is_err(), "its snapshot died with it");
+    let asked = monotonic_ns();
+    let snap = snapshot(rig.controller.clone(), "snap", &vol)
+        .await
+        .expect("the retried snapshot, on the new leader");
+    let more = writer.acked() + 20;
+    wait_acked(
+        &writer,
+        more,
+        RESUME_BOUND,
+        "the writer after the old controller's end",
+    )
+    .await;
+    assert_eq!(freeze_records(&env), Vec::<PathBuf>::new());
+    check_and_remove(&rig, &env, writer, &p, asked, snap).await;
+    rig.stop().await;
+    leader.stop().await;
+    drop(paused_node);
     env.assert_clean();
     drop(env);
     drop(outer);

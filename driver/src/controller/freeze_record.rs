@@ -221,6 +221,17 @@ fn thaw_recorded(fs: &FrozenFs) -> io::Result<Thaw> {
 /// filesystems it thawed. `at_start`: nothing of this controller runs yet, so
 /// temp files of record writes are removed too. Logs what it does.
 pub fn thaw_leftovers(state_dir: &Path, at_start: bool) -> usize {
+    thaw(state_dir, at_start, false)
+}
+
+/// [`thaw_leftovers`] at the start of a controller that took the state dir from an owner
+/// proven killed but frozen: that owner still holds the locks of its live freezes, and will
+/// never thaw them, so every record is settled, held or not.
+pub fn thaw_leftovers_of_a_killed_owner(state_dir: &Path) -> usize {
+    thaw(state_dir, true, true)
+}
+
+fn thaw(state_dir: &Path, at_start: bool, held_too: bool) -> usize {
     let dir = state_dir.join(FREEZES_DIR);
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return 0;
@@ -239,7 +250,7 @@ pub fn thaw_leftovers(state_dir: &Path, at_start: bool) -> usize {
             continue;
         }
         if let Some(op) = name.strip_suffix(".json") {
-            match settle(&dir, op) {
+            match settle(&dir, op, held_too) {
                 Ok(n) => thawed += n,
                 Err(e) => {
                     tracing::error!(record = %dir.join(name).display(), error = %e, "cannot settle a freeze record; the next pass tries again")
@@ -319,12 +330,14 @@ fn try_lock(path: &Path) -> io::Result<Option<Option<File>>> {
 
 /// Thaws and removes the record `op` in `dir` when no live operation holds
 /// it; returns how many filesystems it thawed.
-fn settle(dir: &Path, op: &str) -> io::Result<usize> {
+fn settle(dir: &Path, op: &str, held_too: bool) -> io::Result<usize> {
     let json = dir.join(format!("{op}.json"));
     let lock_path = dir.join(format!("{op}.lock"));
-    let Some(_held) = try_lock(&lock_path)? else {
+    let held = try_lock(&lock_path)?;
+    if held.is_none() && !held_too {
         return Ok(0); // a live operation: it thaws by itself, within its bound
-    };
+    }
+    let _held = held;
     // Read only now, under the lock: the owner may have removed it meanwhile.
     let bytes = match std::fs::read(&json) {
         Ok(b) => b,

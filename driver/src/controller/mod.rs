@@ -69,11 +69,28 @@ pub struct Controller {
 }
 
 impl Controller {
+    /// Opens the state dir, refused while another controller owns it.
     pub fn open(cfg: Config) -> std::io::Result<Arc<Self>> {
+        Self::open_claiming(cfg, crate::locks::Claim::default())
+    }
+
+    /// Opens the state dir, taking it from a former owner as `claim` says (leader election).
+    pub fn open_claiming(cfg: Config, claim: crate::locks::Claim) -> std::io::Result<Arc<Self>> {
         std::fs::create_dir_all(&cfg.state_dir)?;
-        let owner = crate::locks::OwnerLock::acquire(&cfg.state_dir)?;
+        let owner = crate::locks::OwnerLock::acquire(&cfg.state_dir, claim)?;
+        tracing::info!(
+            generation = owner.generation,
+            kill_switch = owner.armed(),
+            "state dir owned"
+        );
         // Before anything else: a freeze a dead controller left blocks the volume's writers.
-        freeze_record::thaw_leftovers(&cfg.state_dir, true);
+        if owner.predecessor == crate::locks::Predecessor::KilledButHolding {
+            // Its locks outlive it until it thaws, and it will never act on them.
+            crate::locks::RecordsLock::forget_holder(&cfg.state_dir)?;
+            freeze_record::thaw_leftovers_of_a_killed_owner(&cfg.state_dir);
+        } else {
+            freeze_record::thaw_leftovers(&cfg.state_dir, true);
+        }
         let (state_id, made) = crate::state_id::ensure(&cfg.state_dir, &cfg.boot_id_file)
             .map_err(std::io::Error::other)?;
         if made {

@@ -1,7 +1,9 @@
 //! The driver's locks, in the order they are taken, and how long anyone waits.
 //!
-//! 1. [`OwnerLock`] (`<state>/controller.lock`, exclusive, never waited for): one
-//!    controller process owns a state dir, for as long as any call of it runs.
+//! 1. [`OwnerLock`] (`<state>/owner/<generation>.lock`, exclusive, never waited for): one
+//!    controller process owns a state dir, for as long as any call of it runs. A leader
+//!    takes it from a former owner that still holds it by SIGKILLing that owner through
+//!    its kill switch (`kill_switch`), and treats the locks a frozen one keeps as free.
 //! 2. [`InFlight`] (in-process, per volume or snapshot): the CSI spec asks a plugin
 //!    already working on a volume to answer a second concurrent call for it with
 //!    ABORTED rather than queue it; the CO retries.
@@ -29,12 +31,14 @@
 //! fence then goes on without it; a node waits at most [`CONTROLLER_LOCK_WAIT`]
 //! and answers ABORTED. See docs/lifecycle.md, "Locks".
 
+mod kill_switch;
 mod owner_lock;
 mod publish_lock;
 mod records_lock;
 
 pub use fencecsi_fence::lock::{BackingLock, NODE_LOCK_WAIT};
 pub(crate) use owner_lock::OwnerLock;
+pub use owner_lock::{owner_of, Claim, Holder, Predecessor, TAKEOVER_WAIT};
 pub use publish_lock::PublishLock;
 pub(crate) use records_lock::RecordsLock;
 

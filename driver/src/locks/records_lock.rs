@@ -26,4 +26,13 @@ impl RecordsLock {
             _file: flock_within(f, true, NODE_LOCK_WAIT)?,
         })
     }
+
+    /// Removes the lock file of a former owner proven killed while it held the state dir:
+    /// the next `take` makes a new one, which that owner (frozen) does not hold.
+    pub(crate) fn forget_holder(state_dir: &Path) -> std::io::Result<()> {
+        match std::fs::remove_file(state_dir.join(RECORDS_LOCK)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
 }

@@ -8,3 +8,6 @@ pub mod files;
 pub mod flock;
 pub mod loop_device;
 pub mod loop_gate;
+/// A cgroup v1 freezer for tests that pause a process (the `test-support` feature).
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_freezer;
