@@ -6,8 +6,10 @@
 //! holds a coordination.k8s.io Lease (`cluster::leader`, the client-go algorithm):
 //!
 //! - a standby serves the Identity service and ControllerGetCapabilities (its sidecars
-//!   need them to start and to stay live), and answers every other controller call
-//!   UNAVAILABLE; it opens the state dir only once it leads;
+//!   need them to start and to stay live), and forwards every other controller call to
+//!   the leader, which serves its standbys on [`leader_socket`] in the state dir (see
+//!   `standby`: each sidecar elects on its own, so the one that leads may sit beside a
+//!   standby); it opens the state dir only once it leads;
 //! - a leader that has not renewed its Lease for `--leader-election-renew-deadline` exits
 //!   (`LOST_LEADERSHIP_EXIT`) once it has thawed what its running copies froze (at most
 //!   2 s; no freeze starts after): the kernel then drops the ownership lock with the
@@ -25,28 +27,28 @@
 //! default) after its node is cut off, plus the standby's start-up pass, and a frozen
 //! node adds at most `TAKEOVER_WAIT` to that.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencecsi_cluster::{Cluster, LeaderElectionConfig, LeaderElector, LeaderHandle};
-use fencecsi_proto::v1::controller_server::{Controller as CsiController, ControllerServer};
-use fencecsi_proto::v1::identity_server::IdentityServer;
-use fencecsi_proto::v1::*;
-use tokio_stream::wrappers::UnixListenerStream;
-use tonic::{Request, Response, Status};
 
 use crate::config::Config;
 use crate::controller::Controller;
-use crate::identity::IdentityService;
 use crate::locks::Claim;
-use crate::socket::{bind, ServeError};
+use crate::socket::ServeError;
 
 /// The exit code of a leader that lost its Lease.
 pub const LOST_LEADERSHIP_EXIT: i32 = 3;
 
 /// The controller plugin's Lease unless `--leader-election-lease-name` names another.
 pub const LEASE_NAME: &str = "fencecsi-controller-plugin";
+
+/// Where the leader serves the whole plugin for its standbys, beside its own socket: in
+/// the state dir, which every replica sees on this one kernel (see `standby`).
+pub fn leader_socket(state_dir: &Path) -> PathBuf {
+    state_dir.join("owner").join("leader.sock")
+}
 
 /// The election of this controller plugin (`--leader-election` and the flags beside it).
 fn election_config(cfg: &Config) -> Result<LeaderElectionConfig, ServeError> {
@@ -85,7 +87,7 @@ pub async fn lead(
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
     tracing::info!(lease = %election.lease_name, namespace = %election.namespace, identity = %election.identity, "standing by: the state dir is served once this replica leads");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = serve_standby(cfg, &socket, stopped)?;
+    let server = crate::standby::serve(cfg, &socket, stopped)?;
     let controller = loop {
         handle.wait_for_leadership().await;
         tracing::info!(identity = %election.identity, "leading: opening the state dir");
@@ -218,132 +220,5 @@ async fn give_up_freezes(controller: Arc<Controller>) {
         Err(_) => {
             tracing::error!(bound = ?THAW_AS_IT_GIVES_UP, "thawing this controller's freezes did not finish in time; giving up anyway (the next controller thaws them at its start)")
         }
-    }
-}
-
-type StandbyServer = tokio::task::JoinHandle<Result<(), ServeError>>;
-
-fn serve_standby(
-    cfg: &Config,
-    socket: &Path,
-    stopped: tokio::sync::oneshot::Receiver<()>,
-) -> Result<StandbyServer, ServeError> {
-    let listener = bind(socket)?;
-    let router = tonic::transport::Server::builder()
-        .add_service(IdentityServer::new(IdentityService::new(cfg, None)))
-        .add_service(ControllerServer::new(StandbyController {
-            extensions: cfg.advertise_extensions,
-        }));
-    Ok(tokio::spawn(async move {
-        router
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
-                let _ = stopped.await;
-            })
-            .await
-            .map_err(ServeError::from)
-    }))
-}
-
-/// The controller service of a standby: capabilities (the fence assumed, since only the
-/// owner of the state dir may probe it: a leader whose probe fails refuses fence requests
-/// with FAILED_PRECONDITION, the safe side), and UNAVAILABLE for everything else.
-struct StandbyController {
-    extensions: crate::config::Extensions,
-}
-
-fn standby<T>() -> Result<Response<T>, Status> {
-    Err(Status::unavailable(
-        "this controller plugin is a standby: another replica leads (leader election)",
-    ))
-}
-
-#[tonic::async_trait]
-impl CsiController for StandbyController {
-    async fn controller_get_capabilities(
-        &self,
-        r: Request<ControllerGetCapabilitiesRequest>,
-    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
-        let ext = self.extensions.shown(r.metadata());
-        Ok(Response::new(ControllerGetCapabilitiesResponse {
-            capabilities: Controller::capabilities(ext, true),
-        }))
-    }
-    async fn create_volume(
-        &self,
-        _: Request<CreateVolumeRequest>,
-    ) -> Result<Response<CreateVolumeResponse>, Status> {
-        standby()
-    }
-    async fn delete_volume(
-        &self,
-        _: Request<DeleteVolumeRequest>,
-    ) -> Result<Response<DeleteVolumeResponse>, Status> {
-        standby()
-    }
-    async fn controller_publish_volume(
-        &self,
-        _: Request<ControllerPublishVolumeRequest>,
-    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
-        standby()
-    }
-    async fn controller_unpublish_volume(
-        &self,
-        _: Request<ControllerUnpublishVolumeRequest>,
-    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
-        standby()
-    }
-    async fn validate_volume_capabilities(
-        &self,
-        _: Request<ValidateVolumeCapabilitiesRequest>,
-    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
-        standby()
-    }
-    async fn list_volumes(
-        &self,
-        _: Request<ListVolumesRequest>,
-    ) -> Result<Response<ListVolumesResponse>, Status> {
-        standby()
-    }
-    async fn get_capacity(
-        &self,
-        _: Request<GetCapacityRequest>,
-    ) -> Result<Response<GetCapacityResponse>, Status> {
-        standby()
-    }
-    async fn create_snapshot(
-        &self,
-        _: Request<CreateSnapshotRequest>,
-    ) -> Result<Response<CreateSnapshotResponse>, Status> {
-        standby()
-    }
-    async fn delete_snapshot(
-        &self,
-        _: Request<DeleteSnapshotRequest>,
-    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
-        standby()
-    }
-    async fn list_snapshots(
-        &self,
-        _: Request<ListSnapshotsRequest>,
-    ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        standby()
-    }
-    async fn controller_expand_volume(
-        &self,
-        _: Request<ControllerExpandVolumeRequest>,
-    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        standby()
-    }
-    async fn controller_get_volume(
-        &self,
-        _: Request<ControllerGetVolumeRequest>,
-    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
-        standby()
-    }
-    async fn controller_modify_volume(
-        &self,
-        _: Request<ControllerModifyVolumeRequest>,
-    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
-        standby()
     }
 }

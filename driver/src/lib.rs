@@ -25,6 +25,7 @@ pub mod paths;
 pub mod rpc;
 pub mod server;
 pub mod socket;
+pub mod standby;
 pub mod state_id;
 pub mod terms;
 

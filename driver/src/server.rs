@@ -10,6 +10,7 @@ use fencecsi_proto::v1::controller_server::ControllerServer;
 use fencecsi_proto::v1::group_controller_server::GroupControllerServer;
 use fencecsi_proto::v1::identity_server::IdentityServer;
 use fencecsi_proto::v1::node_server::NodeServer;
+use futures::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Config;
@@ -94,7 +95,18 @@ pub async fn serve_with_metrics(
     let http = start_http(&cfg, &metrics, node.as_ref(), &mut metrics_hooks).await?;
 
     let listener = bind(&socket)?;
-    tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, "serving CSI");
+    // A leader serves its standbys too, which forward their sidecars' calls (`standby`).
+    let leader_socket = (lease.is_some() && controller.is_some())
+        .then(|| crate::leadership::leader_socket(&cfg.state_dir));
+    let incoming = match &leader_socket {
+        Some(path) => futures::stream::select(
+            UnixListenerStream::new(listener),
+            UnixListenerStream::new(bind(path)?),
+        )
+        .boxed(),
+        None => UnixListenerStream::new(listener).boxed(),
+    };
+    tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, leader_socket = ?leader_socket, "serving CSI");
 
     let (gc_stop, gc_stopped) = tokio::sync::watch::channel(false);
     let gc_task = controller.as_ref().map(|c| {
@@ -118,8 +130,12 @@ pub async fn serve_with_metrics(
     // Clients whose gRPC stack sends the socket path as `:authority` (grpcio, grpc-java)
     // are refused by h2 unless they set a valid one: see docs/grpc-clients.md.
     let result = router(&cfg, metrics, controller, node)
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
+    // While this replica still owns the state dir: a successor binds it anew once it does.
+    if let Some(path) = &leader_socket {
+        let _ = std::fs::remove_file(path);
+    }
     // Let a running collection finish (it writes metadata) before giving up the state dir.
     let _ = gc_stop.send(true);
     if let Some(t) = gc_task {

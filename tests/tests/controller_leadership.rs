@@ -1,12 +1,13 @@
 //! Controller plugin replicas with leader election (`--leader-election`), on the
-//! embedded API server: one serves the state dir; a standby serves only what its
-//! sidecars need (Identity, capabilities) and answers everything else UNAVAILABLE;
+//! embedded API server: one serves the state dir; a standby answers what its sidecars
+//! need to start (Identity, capabilities) and forwards everything else to the leader;
 //! a leader that cannot renew its Lease gives up within the renew deadline, with no
 //! API server to ask; the standby then takes over the same state dir and its volumes.
 
 use std::time::{Duration, Instant};
 
-use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
+use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use fencecsi_cluster::Cluster;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::replica::{Replica, LEASE, NS, RENEW, RETRY};
@@ -28,6 +29,15 @@ where
         assert!(Instant::now() < deadline, "{what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A client of the socket the leader serves its standbys on.
+async fn a_client_of_the_leader_socket(env: &Env) -> CsiClient {
+    CsiClient::connect(&fencecsi_driver::leadership::leader_socket(
+        &env.state_dir(),
+    ))
+    .await
+    .expect("the leader serves its standbys")
 }
 
 async fn create(c: &mut CsiClient, name: &str) -> Result<String, tonic::Status> {
@@ -53,8 +63,9 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     })
     .await;
 
-    // The standby answers its sidecars' start-up calls, and nothing that touches the
-    // state dir (the positive control: the same call on the leader succeeded).
+    // The standby answers its sidecars' start-up calls itself, and forwards the rest to
+    // the leader through the leader's socket in the state dir: a volume created through b
+    // is a's (b has not opened the state dir: it does not lead).
     let mut b = Replica::start(&env, &cluster, "controller-b");
     let mut cb = b.client().await;
     let probe = cb
@@ -70,14 +81,20 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
         .expect("a standby answers ControllerGetCapabilities")
         .into_inner();
     assert!(!caps.capabilities.is_empty());
-    let err = create(&mut cb, "pvc-b")
+    let through_b = create(&mut cb, "pvc-through-b")
         .await
-        .expect_err("a standby serves no volume call");
-    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        .expect("a standby forwards to the leader");
     assert_eq!(
         volume_ids(&mut ca).await,
-        [vol.clone()].into(),
-        "a still serves"
+        [vol.clone(), through_b.clone()].into(),
+        "the leader made the volume asked of the standby"
+    );
+    assert_eq!(
+        fencecsi_driver::locks::owner_of(&env.state_dir())
+            .unwrap()
+            .map(|h| h.pid),
+        Some(std::process::id()),
+        "one owner"
     );
 
     // The leader's node is cut off: no Lease renewal goes through any more. It gives up
@@ -112,10 +129,15 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     // gives b time to try for it (b records no attempt to wait for); a busy machine can
     // only make it try less, never make the check fail.
     tokio::time::sleep(LEASE).await;
-    let err = create(&mut cb, "pvc-b")
+    let err = a_client_of_the_leader_socket(&env)
         .await
-        .expect_err("A still owns the state dir");
-    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        .controller
+        .list_volumes(csi::ListVolumesRequest::default())
+        .await;
+    assert!(
+        err.is_ok(),
+        "A still owns the state dir and serves it: {err:?}"
+    );
     assert!(
         !b.has_ended(),
         "b waits for the state dir, it does not give up"
@@ -134,7 +156,8 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     eprintln!("leader gave up {gave_up:?} after the cut (renew deadline {RENEW:?}, retry {RETRY:?}); the standby served {took:?} after the former leader let go of the state dir");
     let ids = volume_ids(&mut cb).await;
     assert!(ids.contains(&vol), "b serves the volume a created: {ids:?}");
-    assert_eq!(ids.len(), 2);
+    assert!(ids.contains(&through_b), "{ids:?}");
+    assert_eq!(ids.len(), 3);
 
     for id in ids {
         cb.controller
@@ -145,6 +168,68 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
             .await
             .unwrap();
     }
+    b.stop().await;
+    env.assert_clean();
+}
+
+/// A standby whose leader does not answer (none serves the state dir: between leaders, or
+/// one paused) refuses volume calls with UNAVAILABLE, the code its sidecars retry, and says
+/// why; it still answers its sidecars' start-up calls. The positive control: the same call
+/// goes through once a leader serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_without_a_leader_answers_unavailable() {
+    require_root!();
+    let env = Env::new();
+    let cluster = Cluster::embedded();
+    // Someone else holds the Lease, for a good while, and serves nothing.
+    let now = MicroTime(fencecsi_cluster::k8s_openapi::jiff::Timestamp::now());
+    let held = cluster
+        .api::<Lease>(Some(NS))
+        .create(&Lease {
+            metadata: ObjectMeta {
+                name: Some("fencecsi-controller-plugin".into()),
+                namespace: Some(NS.into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some("elsewhere".into()),
+                lease_duration_seconds: Some(3600),
+                acquire_time: Some(now.clone()),
+                renew_time: Some(now),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+
+    let mut b = Replica::start(&env, &cluster, "controller-b");
+    let mut cb = b.client().await;
+    cb.identity
+        .probe(csi::ProbeRequest {})
+        .await
+        .expect("a standby answers Probe");
+    let err = create(&mut cb, "pvc").await.expect_err("no leader serves");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("standby"), "{err:?}");
+
+    // Positive control: the Lease given up, b leads and the same call is served.
+    cluster
+        .api::<Lease>(Some(NS))
+        .delete(held.metadata.name.as_deref().unwrap(), &Default::default())
+        .await
+        .unwrap();
+    let vol = eventually(60, "b leads and serves", || {
+        let mut c = cb.clone();
+        async move { create(&mut c, "pvc").await.ok() }
+    })
+    .await;
+    cb.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     b.stop().await;
     env.assert_clean();
 }

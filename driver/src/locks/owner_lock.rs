@@ -75,6 +75,8 @@ pub(crate) struct OwnerLock {
 /// The process a generation file names.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Holder {
+    /// The generation it holds.
+    pub generation: u64,
     pub pid: u32,
     /// Its kill switch; empty when it armed none.
     pub switch: String,
@@ -172,7 +174,10 @@ fn held_by(dir: &Path, n: u64) -> io::Result<Option<Holder>> {
         Err(std::fs::TryLockError::WouldBlock) => {
             let mut text = String::new();
             f.read_to_string(&mut text)?;
-            Ok(Some(parse_holder(&text)))
+            Ok(Some(Holder {
+                generation: n,
+                ..parse_holder(&text)
+            }))
         }
     }
 }
