@@ -31,6 +31,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, ServiceAccount, Volume};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -651,6 +652,7 @@ fn parse_typed(doc: &Doc) -> Result<bool, String> {
         StorageClass => false,
         Deployment => true,
         DaemonSet => true,
+        PodDisruptionBudget => true,
         ClusterRole => false,
         ClusterRoleBinding => false,
         Role => true,
@@ -670,6 +672,7 @@ const SERVED_SINCE: &[(&str, &str, (u32, u32))] = &[
     ("v1", "ServiceAccount", (1, 0)),
     ("apps/v1", "Deployment", (1, 9)),
     ("apps/v1", "DaemonSet", (1, 9)),
+    ("policy/v1", "PodDisruptionBudget", (1, 21)),
     ("rbac.authorization.k8s.io/v1", "ClusterRole", (1, 8)),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", (1, 8)),
     ("rbac.authorization.k8s.io/v1", "Role", (1, 8)),
@@ -2323,22 +2326,63 @@ fn probes_hit_the_ports_the_processes_serve() {
     }
 }
 
-/// Two controller plugins never serve the state dir at once, and a lost one is replaced
-/// in about a minute: one replica (a second would need every sidecar's leader in the
-/// pod whose plugin leads, which nothing ensures), never two during a rollout, the plugin
-/// elects (so one cut off from the API server gives the state dir up by itself), and a
-/// pod on an unreachable or not-ready node is replaced after a short toleration.
+/// A standby is always there to take over, apart from the leader where the cluster allows,
+/// and a failed pod is replaced in about a minute: two replicas, never a third during a
+/// rollout (one pod replaced at a time), preferred on different nodes, a disruption budget
+/// that keeps one, the plugin elects (so one cut off from the API server gives the state
+/// dir up by itself), and a pod on an unreachable or not-ready node is replaced after a
+/// short toleration. Two plugins never serve the state dir at once: that is its ownership
+/// lock's (driver/src/locks/owner_lock.rs), not the Deployment's.
 #[test]
-fn the_controller_is_replaced_in_about_a_minute_and_never_doubled() {
+fn a_standby_controller_is_always_there_and_a_lost_one_replaced_in_about_a_minute() {
     let d = controller();
     let spec = d.spec.clone();
-    assert_eq!(spec.replicas, Some(1), "one controller pod");
+    assert_eq!(spec.replicas, Some(2), "a leader and a standby");
+    let strategy = spec.strategy.clone().unwrap_or_default();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let rolling = strategy.rolling_update.unwrap_or_default();
     assert_eq!(
-        spec.strategy.as_ref().and_then(|s| s.type_.as_deref()),
-        Some("Recreate"),
-        "never two controller pods, not even during a rollout"
+        rolling.max_surge,
+        Some(IntOrString::Int(0)),
+        "never a third pod"
+    );
+    assert_eq!(
+        rolling.max_unavailable,
+        Some(IntOrString::Int(1)),
+        "one at a time"
     );
     let pod = pod_spec_of_deployment(&d);
+    let apart = pod
+        .affinity
+        .as_ref()
+        .and_then(|a| a.pod_anti_affinity.as_ref())
+        .and_then(|a| {
+            a.preferred_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .and_then(|p| p.first())
+        .expect("the replicas prefer different nodes");
+    assert_eq!(
+        apart.pod_affinity_term.topology_key,
+        "kubernetes.io/hostname"
+    );
+    assert_eq!(
+        apart
+            .pod_affinity_term
+            .label_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.clone()),
+        spec.selector.match_labels,
+        "apart from its own replicas"
+    );
+    let budget = one::<PodDisruptionBudget>(CONTROLLER);
+    let budget = budget.spec.unwrap_or_default();
+    assert_eq!(budget.max_unavailable, Some(IntOrString::Int(1)));
+    assert_eq!(
+        budget.selector.and_then(|s| s.match_labels),
+        spec.selector.match_labels,
+        "the budget covers the controller pods"
+    );
     let driver = driver_container(&pod);
     assert_eq!(
         flag(driver, "leader-election").as_deref(),

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use fencecsi_e2e::cluster::{self, Cluster};
 use fencecsi_e2e::scenarios::day2::{self, Operation};
 use fencecsi_e2e::scenarios::failover::{self, Fault};
-use fencecsi_e2e::scenarios::{expansion, install, least_privilege, snapshot, writer};
+use fencecsi_e2e::scenarios::{expansion, install, leader, least_privilege, snapshot, writer};
 use fencecsi_e2e::teardown::Teardown;
 use fencecsi_e2e::{inputs, say};
 
@@ -49,24 +49,35 @@ fn run(inputs: &inputs::Inputs, td: &Teardown) -> Result<()> {
 }
 
 /// The faults to run, in order: `FENCECSI_E2E_FAULTS`, a comma-separated list of
-/// `partition`, `power-off` and `hang` (repeat one to measure it several times).
-fn faults() -> Result<Vec<Fault>> {
+/// `partition`, `power-off` and `hang` (the writer's node fails, the leading controller runs
+/// elsewhere) and `controller-partition`, `controller-power-off` and `controller-hang` (the
+/// writer is moved onto the leading controller's node, which fails); repeat one to measure
+/// it several times. Each: the fault, and whether it hits the leader's node.
+fn faults() -> Result<Vec<(Fault, bool)>> {
     let spec = std::env::var("FENCECSI_E2E_FAULTS").unwrap_or_else(|_| DEFAULT_FAULTS.into());
     spec.split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(|s| match s {
-            "partition" => Ok(Fault::Partition),
-            "power-off" => Ok(Fault::PowerOff),
-            "hang" => Ok(Fault::Hang),
-            other => anyhow::bail!(
-                "FENCECSI_E2E_FAULTS: unknown fault {other:?} (partition, power-off, hang)"
-            ),
+        .map(|s| {
+            let (name, on_leader) = match s.strip_prefix("controller-") {
+                Some(rest) => (rest, true),
+                None => (s, false),
+            };
+            let fault = match name {
+                "partition" => Fault::Partition,
+                "power-off" => Fault::PowerOff,
+                "hang" => Fault::Hang,
+                _ => anyhow::bail!(
+                    "FENCECSI_E2E_FAULTS: unknown fault {s:?} (partition, power-off, hang, each also as controller-<fault>)"
+                ),
+            };
+            Ok((fault, on_leader))
         })
         .collect()
 }
 
-const DEFAULT_FAULTS: &str = "partition,hang,power-off";
+const DEFAULT_FAULTS: &str =
+    "partition,hang,power-off,controller-partition,controller-hang,controller-power-off";
 
 fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
     let faults = faults()?;
@@ -111,13 +122,25 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
         }
     }
     let mut figures = Vec::new();
-    for (i, fault) in faults.iter().enumerate() {
+    for (i, (fault, on_leader)) in faults.iter().enumerate() {
+        let place = if *on_leader {
+            "the leading controller's node"
+        } else {
+            "the writer's node, not the leading controller's"
+        };
         say(format!(
-            "failover {}/{}: {}",
+            "failover {}/{}: {} of {place}",
             i + 1,
             faults.len(),
             fault.name()
         ));
+        if *on_leader {
+            leader::place_writer_on_leader(c, "fencecsi-ext4")?;
+        } else if failover::wait_writing(c, 1, Duration::from_secs(180))?.1
+            == install::controller_node(c)?
+        {
+            leader::place_writer_off_leader(c, "fencecsi-ext4")?;
+        }
         let f = failover::fail_over_and_return(c, *fault, td)?;
         say(format!("figures: {}", f.json()));
         fencecsi_e2e::record_result(c, "results.jsonl", &f.json().to_string())?;
@@ -125,7 +148,13 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
     }
     let secs: Vec<String> = figures
         .iter()
-        .map(|f| format!("{} {:.1}", f.fault, f.fault_to_running_s))
+        .map(|f| {
+            let leader = f
+                .fault_to_new_leader_s
+                .map(|s| format!(" (controller {s:.1})"))
+                .unwrap_or_default();
+            format!("{} {:.1}{leader}", f.fault, f.fault_to_running_s)
+        })
         .collect();
     say(format!(
         "fault → writer Running on another node, seconds: {}",

@@ -116,44 +116,28 @@ fn check_not_restarted_nor_fenced(
     Ok(())
 }
 
-/// Restarts the controller Deployment on the node it runs on and waits for the leader
-/// Lease to move to the new pod.
+/// Restarts the controller Deployment (one pod at a time) and waits for the plugin's Lease
+/// to move to a new pod. The leader may then run on any node, the writer's included; the
+/// failover scenarios say so when it does.
 fn controller_rollout(c: &Cluster) -> Result<()> {
-    let before = install::controller_pod(c)?;
-    // The failover scenarios cut the writer's node and need the controller elsewhere:
-    // the new controller pod goes where the old one was, so every other node is cordoned
-    // while it is placed.
-    let home = install::controller_node(c)?;
-    let others: Vec<String> = c
-        .nodes
-        .iter()
-        .map(|n| n.spec.name.clone())
-        .filter(|n| *n != home)
+    let before: Vec<String> = install::controller_pods_placed(c)?
+        .into_iter()
+        .map(|(name, _)| name)
         .collect();
-    for n in &others {
-        c.kubectl.run(&["cordon", n])?;
-    }
-    let rolled = rollout(c, "deployment/fencecsi-controller");
-    for n in &others {
-        c.kubectl.run(&["uncordon", n])?;
-    }
-    rolled?;
+    rollout(c, "deployment/fencecsi-controller")?;
     install::wait_installed(c)?;
-    let after = install::controller_pod(c)?;
-    ensure!(after != before, "the controller pod was not replaced");
+    let after = install::controller_pods_placed(c)?;
+    ensure!(
+        after.iter().all(|(name, _)| !before.contains(name)),
+        "the controller pods were not all replaced: {before:?} -> {after:?}"
+    );
     wait::until_explained(
-        "the controller plugin's Lease to move to the new pod",
+        "the controller plugin's Lease to move to a new pod",
         Duration::from_secs(90),
         Duration::from_secs(1),
         || {
-            let l = c
-                .kubectl
-                .get(&["lease", "-n", NAMESPACE, "fencecsi-controller-plugin"])?;
-            let holder = l["spec"]["holderIdentity"]
-                .as_str()
-                .unwrap_or("")
-                .to_string();
-            Ok(if holder == after {
+            let holder = install::plugin_lease_holder(c)?.unwrap_or_default();
+            Ok(if after.iter().any(|(name, _)| *name == holder) {
                 Ok(())
             } else {
                 Err(format!("held by {holder:?}"))

@@ -71,6 +71,9 @@ pub struct Figures {
     pub heal_to_lifted_s: f64,
     pub acked_by_old_pod: usize,
     pub old_writes_failed_after_fence: usize,
+    /// Fault → another controller pod took the plugin's Lease, when the leading controller
+    /// ran on the failed node.
+    pub fault_to_new_leader_s: Option<f64>,
 }
 
 impl Figures {
@@ -83,6 +86,7 @@ impl Figures {
             "heal_to_lifted_s": self.heal_to_lifted_s,
             "acked_by_old_pod": self.acked_by_old_pod,
             "old_writes_failed_after_fence": self.old_writes_failed_after_fence,
+            "fault_to_new_leader_s": self.fault_to_new_leader_s,
         })
     }
 }
@@ -144,13 +148,17 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
         generation,
     };
     let what = fault.name();
-    // The writer's node fails, not the controller's: a frozen controller plugin keeps the
-    // state dir until it runs again (README), a cut-off one is replaced only after ~70 s.
+    // The writer's node fails; the leading controller may run there too (the standby then
+    // takes over: a frozen leader through its kill switch), which is said here.
     let controller = super::install::controller_node(c)?;
-    ensure!(
-        controller != before.node,
-        "the controller pod runs on the writer's node {controller}; this scenario fails the writer's node only"
-    );
+    let leader_fails = controller == before.node;
+    let leader_pod = super::install::controller_pod(c)?;
+    if leader_fails {
+        say(format!(
+            "{}: the leading controller {leader_pod} runs on the failing node too",
+            fault.name()
+        ));
+    }
     say(format!(
         "{what}: {} fails while writer {} writes to volume {} generation {}",
         before.node, before.uid, before.handle, before.generation
@@ -159,6 +167,9 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
     let fault_at = Instant::now();
     fault.inject(c, &before.node)?;
     let seen = watch_failover(c, &before, fault_at)?;
+    let takeover = leader_fails
+        .then(|| super::leader::new_leader(c, &leader_pod, fault_nanos))
+        .transpose()?;
     let fence_nanos = seen.fence_nanos;
     let fault_to_fence_s = (fence_nanos - fault_nanos) as f64 / 1e9;
     say(format!(
@@ -194,6 +205,9 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
     }
     check_records_and_fence(c, &before, &old_events, &seen)?;
     let heal_to_lifted_s = return_node(c, fault, &before, td)?;
+    if let Some(t) = &takeover {
+        super::leader::former_leader_did_nothing(c, t, &c.state_dir)?;
+    }
     Ok(Figures {
         fault: what,
         node: before.node,
@@ -207,6 +221,7 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
             .filter(|e| matches!(e, Event::Ack { .. }))
             .count(),
         old_writes_failed_after_fence: failed_after_fence,
+        fault_to_new_leader_s: takeover.map(|t| t.fault_to_leader_s),
     })
 }
 

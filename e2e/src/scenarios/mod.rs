@@ -5,6 +5,7 @@ pub mod evidence;
 pub mod expansion;
 pub mod failover;
 pub mod install;
+pub mod leader;
 pub mod least_privilege;
 pub mod snapshot;
 pub mod writer;

@@ -1,0 +1,138 @@
+//! The controller's own node fails: the writer is placed on the node of the leading
+//! controller pod, and the failover also measures the controller's (the plugin's Lease
+//! taken by a pod elsewhere) and checks that the former leader did nothing once back (the
+//! state dir's ownership generation is still the new leader's).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+
+use super::install::{self, NAMESPACE};
+use super::{failover, writer};
+use crate::cluster::Cluster;
+use crate::{say, wait};
+
+/// A hostname no node has: the writer's "avoid" when it may go anywhere.
+const NO_NODE: &str = "no-such-node";
+
+/// Moves the writer onto the leading controller's node (its StatefulSet's placement
+/// changed, so its pod is replaced there) and waits until it writes there. The node's name.
+pub fn place_writer_on_leader(c: &Cluster, storage_class: &str) -> Result<String> {
+    let leader = install::controller_node(c)?;
+    c.kubectl
+        .apply_text(&writer::manifest(storage_class, NO_NODE, &leader))?;
+    wait::until_explained(
+        "the writer to write on the leading controller's node",
+        Duration::from_secs(240),
+        Duration::from_secs(1),
+        || {
+            let (_, node) = failover::wait_writing(c, 10, Duration::from_secs(240))?;
+            Ok(if node == leader {
+                Ok(())
+            } else {
+                Err(format!("writing on {node}, not {leader}"))
+            })
+        },
+    )?;
+    say(format!("writer: on the leading controller's node {leader}"));
+    Ok(leader)
+}
+
+/// Puts the writer back off the leading controller's node, as the worker-node faults
+/// want it.
+pub fn place_writer_off_leader(c: &Cluster, storage_class: &str) -> Result<()> {
+    let leader = install::controller_node(c)?;
+    let prefer = c
+        .nodes
+        .iter()
+        .map(|n| n.spec.name.clone())
+        .find(|n| *n != leader)
+        .context("no node without the controller")?;
+    c.kubectl
+        .apply_text(&writer::manifest(storage_class, &leader, &prefer))?;
+    failover::wait_writing(c, 10, Duration::from_secs(240))?;
+    Ok(())
+}
+
+/// What the controller's own failover showed.
+pub struct Takeover {
+    /// The pod that leads now.
+    pub pod: String,
+    /// Fault → the new leader's `acquireTime` on its Lease (recorded by the new leader).
+    pub fault_to_leader_s: f64,
+    /// The state dir's ownership generation the new leader holds.
+    pub generation: u64,
+}
+
+/// Waits (bounded) for a pod other than `old` to hold the plugin's Lease and to own the
+/// state dir; `fault_nanos`: the fault, on the wall clock.
+pub fn new_leader(c: &Cluster, old: &str, fault_nanos: i64) -> Result<Takeover> {
+    let (pod, acquired) = wait::until_explained(
+        "another controller pod to take the plugin's Lease",
+        Duration::from_secs(180),
+        Duration::from_millis(500),
+        || {
+            let l = c
+                .kubectl
+                .get(&["lease", "-n", NAMESPACE, "fencecsi-controller-plugin"])?;
+            let holder = l["spec"]["holderIdentity"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
+            let acquired = l["spec"]["acquireTime"].as_str().unwrap_or("").to_string();
+            Ok(if !holder.is_empty() && holder != old {
+                Ok((holder, acquired))
+            } else {
+                Err(format!("held by {holder:?}"))
+            })
+        },
+    )?;
+    let at = acquired
+        .parse::<fencecsi_cluster::k8s_openapi::jiff::Timestamp>()
+        .with_context(|| format!("the Lease's acquireTime {acquired:?}"))?;
+    let fault_to_leader_s = (at.as_nanosecond() as i64 - fault_nanos) as f64 / 1e9;
+    let generation = wait::until_explained(
+        "the new leader to own the state dir",
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+        || {
+            let owner = fencecsi_driver::locks::owner_of(&c.state_dir)?;
+            Ok(match owner {
+                Some(h) => Ok(h.generation),
+                None => Err("nobody owns it".to_string()),
+            })
+        },
+    )?;
+    say(format!(
+        "controller: {pod} leads {fault_to_leader_s:.1} s after the fault (its Lease's acquireTime), owning generation {generation} of the state dir"
+    ));
+    Ok(Takeover {
+        pod,
+        fault_to_leader_s,
+        generation,
+    })
+}
+
+/// Once the failed node is back: the new leader still leads and owns the generation it
+/// took, so the former leader did nothing with the state dir when it ran again.
+pub fn former_leader_did_nothing(c: &Cluster, t: &Takeover, state_dir: &Path) -> Result<()> {
+    let holder = install::plugin_lease_holder(c)?;
+    ensure!(
+        holder.as_deref() == Some(t.pod.as_str()),
+        "the plugin's Lease moved again once the node was back: {holder:?}"
+    );
+    let owner =
+        fencecsi_driver::locks::owner_of(state_dir)?.context("nobody owns the state dir")?;
+    ensure!(
+        owner.generation == t.generation,
+        "the state dir changed owners once the node was back: generation {} then {}",
+        t.generation,
+        owner.generation
+    );
+    say(format!(
+        "controller: {} still leads and owns generation {} after the node's return",
+        t.pod, t.generation
+    ));
+    Ok(())
+}
