@@ -96,11 +96,28 @@ pub async fn lead(
         }
         tracing::warn!("stopped leading before the state dir could be opened: standing by again");
     };
-    let _ = stop.send(());
-    server
-        .await
-        .map_err(|e| ServeError::Config(format!("standby server: {e}")))??;
+    stop_standby(stop, server).await?;
     Ok((handle, controller))
+}
+
+/// How long the standby server may take to stop once this replica leads. Its forwarded
+/// calls end at once (`standby::serve`); this bounds the rest of its graceful stop.
+const STANDBY_DRAIN: Duration = Duration::from_secs(2);
+
+/// Stops the standby server, finishing its calls within [`STANDBY_DRAIN`].
+async fn stop_standby(
+    stop: tokio::sync::oneshot::Sender<()>,
+    mut server: tokio::task::JoinHandle<Result<(), ServeError>>,
+) -> Result<(), ServeError> {
+    let _ = stop.send(());
+    match tokio::time::timeout(STANDBY_DRAIN, &mut server).await {
+        Ok(done) => done.map_err(|e| ServeError::Config(format!("standby server: {e}")))?,
+        Err(_) => {
+            server.abort();
+            tracing::warn!(bound = ?STANDBY_DRAIN, "calls the standby still forwarded to the former leader were cut off as this replica took over; their clients retry");
+            Ok(())
+        }
+    }
 }
 
 /// Opens the state dir while this replica leads, waiting for a former leader's

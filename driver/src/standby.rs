@@ -32,23 +32,28 @@ use crate::socket::{bind, ServeError};
 /// The longest a forwarded call waits for the leader, for a client that set no deadline.
 pub const FORWARD_BOUND: Duration = Duration::from_secs(120);
 
-/// The standby's server on `socket`, until `stopped` fires.
+/// The standby's server on `socket`, until `stopped` fires. Then the calls it still forwards
+/// end at once with UNAVAILABLE (a frozen former leader would never answer them, and their
+/// connections would keep the server from stopping), so the clients retry on this replica.
 pub fn serve(
     cfg: &Config,
     socket: &Path,
     stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<tokio::task::JoinHandle<Result<(), ServeError>>, ServeError> {
     let listener = bind(socket)?;
+    let (cut, cut_off) = tokio::sync::watch::channel(false);
     let router = tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService::new(cfg, None)))
         .add_service(ControllerServer::new(ForwardingController {
             extensions: cfg.advertise_extensions,
             leader: crate::leadership::leader_socket(&cfg.state_dir),
+            cut_off,
         }));
     Ok(tokio::spawn(async move {
         router
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
                 let _ = stopped.await;
+                let _ = cut.send(true);
             })
             .await
             .map_err(ServeError::from)
@@ -61,6 +66,8 @@ pub fn serve(
 struct ForwardingController {
     extensions: crate::config::Extensions,
     leader: PathBuf,
+    /// True once this replica stops standing by.
+    cut_off: tokio::sync::watch::Receiver<bool>,
 }
 
 impl ForwardingController {
@@ -88,9 +95,14 @@ impl ForwardingController {
             let request = Request::from_parts(metadata, Default::default(), message);
             call(ControllerClient::new(channel), request).await
         };
-        tokio::time::timeout(FORWARD_BOUND, forwarded)
-            .await
-            .unwrap_or_else(|_| Err(unavailable(format!("did not answer in {FORWARD_BOUND:?}"))))
+        let mut cut_off = self.cut_off.clone();
+        tokio::select! {
+            answered = tokio::time::timeout(FORWARD_BOUND, forwarded) => answered
+                .unwrap_or_else(|_| Err(unavailable(format!("did not answer in {FORWARD_BOUND:?}")))),
+            _ = cut_off.wait_for(|cut| *cut) => Err(Status::unavailable(
+                "this controller plugin stopped standing by (it leads now): retry",
+            )),
+        }
     }
 }
 

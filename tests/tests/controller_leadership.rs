@@ -172,18 +172,10 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     env.assert_clean();
 }
 
-/// A standby whose leader does not answer (none serves the state dir: between leaders, or
-/// one paused) refuses volume calls with UNAVAILABLE, the code its sidecars retry, and says
-/// why; it still answers its sidecars' start-up calls. The positive control: the same call
-/// goes through once a leader serves.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_standby_without_a_leader_answers_unavailable() {
-    require_root!();
-    let env = Env::new();
-    let cluster = Cluster::embedded();
-    // Someone else holds the Lease, for a good while, and serves nothing.
+/// Someone else holds the controller plugin's Lease, for an hour, and serves nothing.
+async fn hold_the_lease_elsewhere(cluster: &Cluster) -> Lease {
     let now = MicroTime(fencecsi_cluster::k8s_openapi::jiff::Timestamp::now());
-    let held = cluster
+    cluster
         .api::<Lease>(Some(NS))
         .create(&Lease {
             metadata: ObjectMeta {
@@ -200,8 +192,28 @@ async fn a_standby_without_a_leader_answers_unavailable() {
             }),
         })
         .await
-        .unwrap();
+        .unwrap()
+}
 
+/// Deletes the Lease [`hold_the_lease_elsewhere`] made, so that a replica may take it.
+async fn release_the_lease(cluster: &Cluster, held: &Lease) {
+    cluster
+        .api::<Lease>(Some(NS))
+        .delete(held.metadata.name.as_deref().unwrap(), &Default::default())
+        .await
+        .unwrap();
+}
+
+/// A standby whose leader does not answer (none serves the state dir: between leaders, or
+/// one paused) refuses volume calls with UNAVAILABLE, the code its sidecars retry, and says
+/// why; it still answers its sidecars' start-up calls. The positive control: the same call
+/// goes through once a leader serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_without_a_leader_answers_unavailable() {
+    require_root!();
+    let env = Env::new();
+    let cluster = Cluster::embedded();
+    let held = hold_the_lease_elsewhere(&cluster).await;
     let mut b = Replica::start(&env, &cluster, "controller-b");
     let mut cb = b.client().await;
     cb.identity
@@ -213,11 +225,7 @@ async fn a_standby_without_a_leader_answers_unavailable() {
     assert!(err.message().contains("standby"), "{err:?}");
 
     // Positive control: the Lease given up, b leads and the same call is served.
-    cluster
-        .api::<Lease>(Some(NS))
-        .delete(held.metadata.name.as_deref().unwrap(), &Default::default())
-        .await
-        .unwrap();
+    release_the_lease(&cluster, &held).await;
     let vol = eventually(60, "b leads and serves", || {
         let mut c = cb.clone();
         async move { create(&mut c, "pvc").await.ok() }
@@ -232,4 +240,70 @@ async fn a_standby_without_a_leader_answers_unavailable() {
         .unwrap();
     b.stop().await;
     env.assert_clean();
+}
+
+/// A call the standby forwards to a leader that never answers (frozen: its socket accepts,
+/// nothing replies) does not hold up the standby's own takeover: once it leads, the standby
+/// cuts such calls off within its short drain and serves, rather than wait for them as long
+/// as their clients would (`standby::FORWARD_BOUND`, longer than the bound below).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_forwarded_to_a_frozen_leader_does_not_hold_up_the_takeover() {
+    require_root!();
+    let env = Env::new();
+    let cluster = Cluster::embedded();
+    let held = hold_the_lease_elsewhere(&cluster).await;
+    // The frozen leader: a socket that is listened on and never accepted from.
+    let socket = fencecsi_driver::leadership::leader_socket(&env.state_dir());
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    let frozen = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+
+    let mut b = Replica::start(&env, &cluster, "controller-b");
+    let cb = b.client().await;
+    let mut c = cb.clone();
+    let hanging = tokio::spawn(async move { create(&mut c, "pvc-hanging").await });
+    // The call reached the frozen leader (queued on its socket) before b leads.
+    eventually(60, "the forwarded call to reach the frozen leader", || {
+        let listening = socket_has_a_connection_queued(&socket);
+        async move { listening.then_some(()) }
+    })
+    .await;
+    assert!(
+        !hanging.is_finished(),
+        "the forwarded call waits for the frozen leader"
+    );
+
+    release_the_lease(&cluster, &held).await;
+    let vol = eventually(60, "b takes over and serves", || {
+        let mut c = cb.clone();
+        async move { create(&mut c, "pvc").await.ok() }
+    })
+    .await;
+    let cut = hanging.await.unwrap();
+    assert!(
+        cut.is_err(),
+        "the call to the frozen leader was cut off: {cut:?}"
+    );
+    drop(frozen);
+    let mut cb = cb;
+    cb.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    b.stop().await;
+    env.assert_clean();
+}
+
+/// Whether the unix socket at `path` has a connection waiting to be accepted (its accept
+/// queue, the `Recv-Q` of a listening socket in /proc/net/unix's terms: flags `__SO_ACCEPTCON`
+/// with a peer queued shows as a second entry on the same path).
+fn socket_has_a_connection_queued(path: &std::path::Path) -> bool {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let named = table
+        .lines()
+        .filter(|l| l.ends_with(&*path.to_string_lossy()))
+        .count();
+    named >= 2
 }

@@ -89,9 +89,10 @@ impl OwnerLock {
         std::fs::create_dir_all(&dir)?;
         refuse_a_legacy_owner(state_dir)?;
         let mut fired = false;
+        // Kept across a lost race: a frozen holder, once fired at, still holds its locks.
+        let mut predecessor = Predecessor::Gone;
         for _ in 0..RACES {
             let newest = newest_generation(&dir)?;
-            let mut predecessor = Predecessor::Gone;
             if let Some(holder) = newest.map(|n| held_by(&dir, n)).transpose()?.flatten() {
                 // At most one takeover per call: a second holder is a successor that won
                 // the race, and the caller asks its Lease again before it tries once more.
