@@ -226,15 +226,19 @@ async fn unfenced_unpublish_while_held_fences_anyway() {
 
 /// A process of node A's that holds one of the locks a node takes (the
 /// volume dir's, as a stage does around its attach; the image's, as an
-/// attach does), shared, and never lets go: a node frozen mid-call.
+/// attach does), shared, and never lets go: a node frozen mid-call. In a
+/// process group of its own: flock(1) runs its command as a child, which the
+/// drop kills with it.
 struct StuckLockHolder(std::process::Child);
 
 impl StuckLockHolder {
     fn on(path: &Path) -> Self {
+        use std::os::unix::process::CommandExt;
         let child = std::process::Command::new("flock")
             .arg("-s")
             .arg(path)
             .args(["sleep", "600"])
+            .process_group(0)
             .spawn()
             .expect("flock(1) from util-linux");
         let holder = StuckLockHolder(child);
@@ -250,7 +254,10 @@ impl StuckLockHolder {
 
 impl Drop for StuckLockHolder {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
         let _ = self.0.wait();
     }
 }
