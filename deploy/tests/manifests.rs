@@ -2406,41 +2406,6 @@ fn a_standby_controller_is_always_there_and_a_lost_one_replaced_in_about_a_minut
     }
 }
 
-/// The failover path leads in one pod: fencecsi-attacher and fencecsi-podgc elect on the
-/// plugin's Lease, under the identity the plugin uses (the pod name, their default), so the
-/// pod whose plugin leads is the pod whose attacher and podgc act.
-#[test]
-fn the_attacher_and_podgc_follow_the_plugins_lease() {
-    let pod = pod_spec_of_deployment(&controller());
-    let driver = driver_container(&pod);
-    let plugin_lease = flag(driver, "leader-election-lease-name")
-        .unwrap_or_else(|| fencecsi_driver::leadership::LEASE_NAME.to_string());
-    for name in ["fencecsi-attacher", "fencecsi-podgc"] {
-        let c = pod
-            .containers
-            .iter()
-            .find(|c| c.name == name)
-            .unwrap_or_else(|| panic!("a {name} container"));
-        assert_eq!(
-            flag(c, "leader-election").as_deref(),
-            Some("true"),
-            "{name}"
-        );
-        assert_eq!(
-            flag(c, "leader-election-lease-name").as_deref(),
-            Some(plugin_lease.as_str()),
-            "{name} elects on the plugin's Lease"
-        );
-        for arg in ["identity", "leader-election-identity"] {
-            assert_eq!(
-                flag(c, arg),
-                flag(driver, arg),
-                "{name}: the plugin's identity"
-            );
-        }
-    }
-}
-
 /// A frozen plugin is taken over from through its kill switch, which cannot end the init of
 /// a pid namespace (the plugin arms none then): the pod shares one pid namespace, whose
 /// init is the sandbox's.

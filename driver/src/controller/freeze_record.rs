@@ -337,7 +337,7 @@ fn settle(dir: &Path, op: &str, held_too: bool) -> io::Result<usize> {
     if held.is_none() && !held_too {
         return Ok(0); // a live operation: it thaws by itself, within its bound
     }
-    let _held = held;
+    let lock = held;
     // Read only now, under the lock: the owner may have removed it meanwhile.
     let bytes = match std::fs::read(&json) {
         Ok(b) => b,
@@ -385,7 +385,11 @@ fn settle(dir: &Path, op: &str, held_too: bool) -> io::Result<usize> {
             }
         }
     }
-    if left.is_empty() {
+    if lock.is_none() {
+        // Thawed over a killed owner's held lock: that owner may still be finishing a
+        // FIFREEZE in the kernel, so the record stays for the next pass, which settles it
+        // (thawing again) once the owner is gone and its lock with it.
+    } else if left.is_empty() {
         remove_if_there(&json)?;
         files::fsync_dir(dir)?;
         remove_if_there(&lock_path)?;

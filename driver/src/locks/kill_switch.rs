@@ -19,6 +19,9 @@
 //! switch, and a successor waits for it as for any owner without one. deploy/base runs
 //! the controller pod with `shareProcessNamespace`, so that the plugin is not pid 1.
 //!
+//! A reader's close also signals the readers left when the FIFO has no writer, so nothing but
+//! a successor may open a switch: the owner dir is the driver's alone.
+//!
 //! The writer learns that a reader exists (the open of the write end fails with ENXIO
 //! otherwise), not which one: the FIFO's name is unique to the process that armed it, and
 //! its read end is close-on-exec and closed before the ownership lock is let go.
@@ -145,6 +148,8 @@ pub(crate) fn fire(dir: &Path, name: &str) -> io::Result<Fired> {
         Ok(_) => Ok(Fired::Killed),
         // Full of earlier writes: each of them signalled the reader already.
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fired::Killed),
+        // The reader disarmed (let the state dir go, or exited) since the open.
+        Err(e) if e.raw_os_error() == Some(libc::EPIPE) => Ok(Fired::NoListener),
         Err(e) => Err(e),
     }
 }

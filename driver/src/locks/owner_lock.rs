@@ -93,15 +93,23 @@ impl OwnerLock {
         let mut predecessor = Predecessor::Gone;
         for _ in 0..RACES {
             let newest = newest_generation(&dir)?;
-            if let Some(holder) = newest.map(|n| held_by(&dir, n)).transpose()?.flatten() {
-                // At most one takeover per call: a second holder is a successor that won
-                // the race, and the caller asks its Lease again before it tries once more.
-                if !claim.take_over || fired {
-                    return Err(owned_by(state_dir, &holder, ""));
+            // Held until the next generation is made and locked: its maker, if it has not
+            // locked it yet, then finds the next one there and backs off.
+            let probe_lock: Option<File> = match newest.map(|n| probe(&dir, n)).transpose()? {
+                None | Some(Probe::Gone) => None,
+                Some(Probe::Free(f)) => Some(f),
+                Some(Probe::Held(holder)) => {
+                    // At most one takeover per call: a second holder is a successor that
+                    // won the race, and the caller asks its Lease again before it tries
+                    // once more.
+                    if !claim.take_over || fired {
+                        return Err(owned_by(state_dir, &holder, ""));
+                    }
+                    fired = true;
+                    predecessor = take_from(state_dir, &dir, newest.unwrap_or(0), &holder)?;
+                    None
                 }
-                fired = true;
-                predecessor = take_from(state_dir, &dir, newest.unwrap_or(0), &holder)?;
-            }
+            };
             let next = newest.unwrap_or(0) + 1;
             let switch = match claim.arm {
                 true => KillSwitch::arm(&dir)?,
@@ -110,7 +118,8 @@ impl OwnerLock {
             let Some(file) = make_generation(&dir, next, switch.as_ref())? else {
                 continue;
             };
-            if generation_path(&dir, next + 1).exists() {
+            drop(probe_lock);
+            if newest_generation(&dir)? != Some(next) {
                 continue; // a successor already took over from this one
             }
             remove_superseded(&dir, next);
@@ -162,25 +171,40 @@ fn newest_generation(dir: &Path) -> io::Result<Option<u64>> {
         .max())
 }
 
-/// Who holds generation `n`'s lock; None when it is free (or gone).
-fn held_by(dir: &Path, n: u64) -> io::Result<Option<Holder>> {
+/// What a try of generation `n`'s lock found.
+enum Probe {
+    /// Nobody holds it: here it is, locked by this process until dropped.
+    Free(File),
+    Held(Holder),
+    Gone,
+}
+
+fn probe(dir: &Path, n: u64) -> io::Result<Probe> {
     let mut f = match File::open(generation_path(dir, n)) {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Gone),
         Err(e) => return Err(e),
     };
     match f.try_lock() {
-        Ok(()) => Ok(None),
+        Ok(()) => Ok(Probe::Free(f)),
         Err(std::fs::TryLockError::Error(e)) => Err(e),
         Err(std::fs::TryLockError::WouldBlock) => {
             let mut text = String::new();
             f.read_to_string(&mut text)?;
-            Ok(Some(Holder {
+            Ok(Probe::Held(Holder {
                 generation: n,
                 ..parse_holder(&text)
             }))
         }
     }
+}
+
+/// Who holds generation `n`'s lock; None when it is free (or gone).
+fn held_by(dir: &Path, n: u64) -> io::Result<Option<Holder>> {
+    Ok(match probe(dir, n)? {
+        Probe::Held(h) => Some(h),
+        Probe::Free(_) | Probe::Gone => None,
+    })
 }
 
 fn parse_holder(text: &str) -> Holder {
