@@ -68,6 +68,8 @@ if [ "${1:-}" = "--tests" ]; then
   have containerd || need+=(containerd)
   have runc || need+=(runc)
   have debootstrap || need+=(debootstrap)
+  # podgc's fast-path tests stand a TLS server (openssl s_server) in for each kubelet.
+  have openssl || need+=(openssl)
 fi
 # The real-kubelet suite (e2e/, DEVELOPERS.md) runs only when its inputs are given; then
 # it also needs the CNI plugins, iptables for the nodes' Service DNAT and openssl.

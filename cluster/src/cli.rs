@@ -202,6 +202,11 @@ pub struct LeaderElectionArgs {
     #[arg(long = "leader-election-unhealthy-after",
           default_value = UNHEALTHY_AFTER, value_parser = parse_duration)]
     pub unhealthy_after: Duration,
+    /// Lead only while this other Lease (same namespace) is held by this replica's
+    /// identity, and give the own Lease up when it moves: containers of one pod that share
+    /// the identity (the pod name) then lead together, where the one they follow leads.
+    #[arg(long = "leader-election-follow", value_name = "LEASE")]
+    pub follow: Option<String>,
 }
 
 impl Default for LeaderElectionArgs {
@@ -215,6 +220,7 @@ impl Default for LeaderElectionArgs {
             renew_deadline: default_duration(RENEW_DEADLINE),
             retry_period: default_duration(RETRY_PERIOD),
             unhealthy_after: default_duration(UNHEALTHY_AFTER),
+            follow: None,
         }
     }
 }
@@ -256,6 +262,7 @@ impl LeaderElectionArgs {
             )
             .with_timing(self.lease_duration, self.renew_deadline, self.retry_period)
             .unhealthy_after(self.unhealthy_after)
+            .following(self.follow.as_deref())
         })
     }
 }

@@ -15,6 +15,10 @@
 //!   successful renew. Since `renew_deadline < lease_duration`, it has stopped acting as
 //!   leader before any other candidate may take over.
 //! - Release clears `holderIdentity`; a candidate takes a lease without holder at once.
+//! - A follower ([`LeaderElectionConfig::follow`]) leads only while another Lease in the
+//!   same namespace names its identity: the containers of one pod then lead together. It
+//!   keeps observing its own Lease while it may not lead, so once it may, an expired Lease
+//!   is taken at once; and it releases its Lease as soon as the followed one moves away.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,6 +49,8 @@ pub struct LeaderElectionConfig {
     /// How long the election may go without an answer from the API server before
     /// [`LeaderHandle::healthy`] turns false.
     pub unhealthy_after: Duration,
+    /// Lead only while the Lease of this name (same namespace) is held by `identity`.
+    pub follow: Option<String>,
 }
 
 impl LeaderElectionConfig {
@@ -60,7 +66,14 @@ impl LeaderElectionConfig {
             renew_deadline: default_duration(RENEW_DEADLINE),
             retry_period: default_duration(RETRY_PERIOD),
             unhealthy_after: default_duration(UNHEALTHY_AFTER),
+            follow: None,
         }
+    }
+
+    /// Lead only while the Lease `lease` is held by this identity.
+    pub fn following(mut self, lease: Option<&str>) -> Self {
+        self.follow = lease.map(str::to_string);
+        self
     }
 
     pub fn with_timing(
@@ -179,6 +192,9 @@ impl LeaderElector {
         let now = micro_now();
         let me = self.cfg.identity.clone();
         let Some(mut lease) = self.api.get_opt(&self.cfg.lease_name).await? else {
+            if !self.followed_lease_is_mine().await? {
+                return Ok(false);
+            }
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(self.cfg.lease_name.clone()),
@@ -227,6 +243,13 @@ impl LeaderElector {
             }
         }
 
+        if !self.followed_lease_is_mine().await? {
+            if i_hold {
+                tracing::info!(lease = %self.cfg.lease_name, followed = ?self.cfg.follow, "the followed Lease moved to another holder: stepping down and releasing");
+                self.release().await?;
+            }
+            return Ok(false);
+        }
         let mut new_spec = spec.clone();
         new_spec.holder_identity = Some(me.clone());
         new_spec.lease_duration_seconds = Some(self.cfg.lease_duration_secs());
@@ -245,6 +268,21 @@ impl LeaderElector {
             Err(e) if e.is_conflict() => Ok(self.is_leader()),
             Err(e) => Err(e),
         }
+    }
+
+    /// Whether this candidate may lead as far as the followed Lease says (always, when it
+    /// follows none). A followed Lease that does not exist names no one.
+    async fn followed_lease_is_mine(&self) -> Result<bool> {
+        let Some(followed) = &self.cfg.follow else {
+            return Ok(true);
+        };
+        let holder = self
+            .api
+            .get_opt(followed)
+            .await?
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity);
+        Ok(holder.as_deref() == Some(self.cfg.identity.as_str()))
     }
 
     fn record_success(&self, lease: &Lease, sent: Instant) {

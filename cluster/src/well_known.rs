@@ -36,8 +36,21 @@ pub const NODE_ID_ANNOTATION: &str = "csi.volume.kubernetes.io/nodeid";
 pub const DISRUPTION_TARGET_CONDITION: &str = "DisruptionTarget";
 pub const DELETION_BY_PODGC_REASON: &str = "DeletionByPodGC";
 
-/// Namespace of node heartbeat Leases.
+/// Namespace of the kubelets' node Leases.
 pub const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
+
+/// The node plugin's heartbeat: a Lease named this prefix plus the node's name, in the
+/// node plugin's namespace, whose holderIdentity is the node's name and which the node
+/// plugin renews every `--heartbeat-interval`. podgc watches these Leases (by the label
+/// below) to see a node stop faster than the kubelet's Lease shows it.
+pub const HEARTBEAT_LEASE_PREFIX: &str = "fencecsi-node-";
+/// The label (key, value) every heartbeat Lease carries.
+pub const HEARTBEAT_LABEL: (&str, &str) = ("fencecsi.io/heartbeat", "node");
+
+/// The name of `node`'s heartbeat Lease.
+pub fn heartbeat_lease_name(node: &str) -> String {
+    format!("{HEARTBEAT_LEASE_PREFIX}{node}")
+}
 
 /// The attacher's finalizer on VolumeAttachments and PersistentVolumes:
 /// `external-attacher/<driver name with '/' replaced by '-'>`, as upstream.

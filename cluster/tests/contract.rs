@@ -715,17 +715,7 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
         holder(l) == Some(follower_id.as_str())
     })
     .await?;
-    let released = history
-        .iter()
-        .rev()
-        .find(|l| holder(l).is_none())
-        .and_then(|l| l.renew_time.clone())
-        .ok_or_else(|| anyhow!("the release is not in the Lease's history: {history:?}"))?;
-    let acquired = history
-        .last()
-        .and_then(|l| l.acquire_time.clone())
-        .ok_or_else(|| anyhow!("no acquireTime: {history:?}"))?;
-    let after_release = acquired.0.duration_since(released.0);
+    let after_release = taken_after_release(&history)?;
     ensure!(
         after_release < SignedDuration::try_from(lease)?,
         "the follower took the lease {after_release:?} after its release: it waited for the expiry"
@@ -824,6 +814,92 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
 }
 
 /// The holder a Lease record names, if any (a released Lease names none).
+/// Followers lead only where the followed Lease's holder is: of two candidates that share
+/// a Lease and follow another, the one whose identity holds the other leads (the positive
+/// control that the gate lets anyone lead); when the followed Lease moves, it releases
+/// and the other takes over without waiting for an expiry.
+async fn followers_lead_where_the_followed_lease_is_held(ctx: &Ctx) -> Result<()> {
+    let own = ctx.name("follower-lease");
+    let followed = ctx.name("followed-lease");
+    let leases = ctx.cluster.api::<Lease>(Some(&ctx.ns));
+    let set_holder = |who: &str| Lease {
+        metadata: ObjectMeta {
+            name: Some(followed.clone()),
+            namespace: Some(ctx.ns.clone()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(who.into()),
+            ..Default::default()
+        }),
+    };
+    leases.create(&set_holder("pod-a")).await?;
+    let lease = Duration::from_secs(2);
+    let timing = |id: &str| {
+        LeaderElectionConfig::new(&ctx.ns, &own, id)
+            .with_timing(
+                lease,
+                Duration::from_millis(1200),
+                Duration::from_millis(200),
+            )
+            .following(Some(&followed))
+    };
+    let mut history_w = leases.watch(&WatchParams::default())?;
+    let mut history = Vec::new();
+    let a = LeaderElector::new(&ctx.cluster, timing("pod-a"))?.spawn();
+    let b = LeaderElector::new(&ctx.cluster, timing("pod-b"))?.spawn();
+    let t = Instant::now();
+    while !a.is_leader() {
+        ensure!(
+            !b.is_leader(),
+            "pod-b leads while the followed Lease names pod-a"
+        );
+        ensure!(t.elapsed() < LIVENESS, "pod-a never led");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    ensure!(!b.is_leader(), "both lead");
+
+    let mut moved = leases.get(&followed).await?;
+    moved.spec = set_holder("pod-b").spec;
+    leases.replace(&moved).await?;
+    let t = Instant::now();
+    while !b.is_leader() {
+        ensure!(t.elapsed() < LIVENESS, "pod-b never took over");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    ensure!(
+        !a.is_leader(),
+        "pod-a still leads after the followed Lease moved"
+    );
+    lease_records_until(&mut history_w, &own, &mut history, |l| {
+        holder(l) == Some("pod-b")
+    })
+    .await?;
+    ensure!(
+        taken_after_release(&history)? < SignedDuration::try_from(lease)?,
+        "pod-b waited for the expiry instead of taking the released Lease"
+    );
+    a.shutdown().await?;
+    b.shutdown().await?;
+    Ok(())
+}
+
+/// How long after the last release in `history` (no holder; its renewTime) the newest
+/// holder acquired the Lease (its acquireTime): both stamps are the candidates' own.
+fn taken_after_release(history: &[LeaseSpec]) -> Result<SignedDuration> {
+    let released = history
+        .iter()
+        .rev()
+        .find(|l| holder(l).is_none())
+        .and_then(|l| l.renew_time.clone())
+        .ok_or_else(|| anyhow!("the release is not in the Lease's history: {history:?}"))?;
+    let acquired = history
+        .last()
+        .and_then(|l| l.acquire_time.clone())
+        .ok_or_else(|| anyhow!("no acquireTime: {history:?}"))?;
+    Ok(acquired.0.duration_since(released.0))
+}
+
 fn holder(l: &LeaseSpec) -> Option<&str> {
     l.holder_identity.as_deref().filter(|h| !h.is_empty())
 }
@@ -1106,6 +1182,12 @@ async fn run_contract(cluster: Cluster, ns: &str) -> Result<()> {
         "leader election",
         &mut failures,
         Box::pin(leader_election(&ctx)),
+    )
+    .await;
+    case(
+        "followers lead where the followed lease is held",
+        &mut failures,
+        Box::pin(followers_lead_where_the_followed_lease_is_held(&ctx)),
     )
     .await;
     case(

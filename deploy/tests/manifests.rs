@@ -92,12 +92,14 @@ const RBAC: &[(&str, Scope, &str, &str, &[&str])] = &[
     ("podgc", Cluster, "storage.k8s.io", "volumeattachments", &["list", "watch", "delete"]),
     ("podgc", Cluster, "storage.k8s.io", "csidrivers", &["list", "watch"]),
     ("podgc", Cluster, "events.k8s.io", "events", &["create", "patch"]),
-    ("podgc", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
+    ("podgc", Ns(NS), "coordination.k8s.io", "leases", &["get", "list", "watch", "create", "update"]),
     ("podgc", Ns(well_known::NODE_LEASE_NAMESPACE), "coordination.k8s.io", "leases", &["get", "list", "watch"]),
     // fencecsi-driver --mode controller --leader-election — driver/src/leadership.rs
     ("controller-plugin", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     // fencecsi-driver --mode node --report-node-clean — driver/src/node/report.rs
     ("node", Cluster, "", "nodes", &["get", "list", "watch", "patch"]),
+    // ... --heartbeat-interval — driver/src/node/heartbeat.rs
+    ("node", Ns(NS), "coordination.k8s.io", "leases", &["get", "create", "update"]),
     // external-provisioner v6.3 (--leader-election, --enable-capacity
     // --capacity-ownerref-level=2; Topology and VolumeAttributesClass on by default)
     ("provisioner", Cluster, "", "persistentvolumes", &["get", "list", "watch", "create", "patch", "delete"]),

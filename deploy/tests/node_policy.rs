@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use cel_interpreter::{Context, Program, Value as Cel};
 use fencecsi_cluster::well_known::{
-    NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY,
+    heartbeat_lease_name, HEARTBEAT_LABEL, NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION,
+    QUARANTINE_TAINT_KEY,
 };
 use serde_json::{json, Value};
 
@@ -40,8 +41,25 @@ enum Message {
     Expression(String),
 }
 
+/// The policy on Nodes.
 fn policy() -> Policy {
-    let docs = base_file("policy-node.yaml");
+    policy_in("policy-node.yaml", "", "nodes", &["UPDATE"])
+}
+
+/// The policy on heartbeat Leases.
+fn heartbeat_policy() -> Policy {
+    policy_in(
+        "policy-node-heartbeat.yaml",
+        "coordination.k8s.io",
+        "leases",
+        &["CREATE", "UPDATE"],
+    )
+}
+
+/// The policy in `file`, which must match `operations` on `group`/`resource` (a patch
+/// reaches admission as an UPDATE).
+fn policy_in(file: &str, group: &str, resource: &str, operations: &[&str]) -> Policy {
+    let docs = base_file(file);
     let p = docs
         .iter()
         .find(|d| d["kind"] == "ValidatingAdmissionPolicy")
@@ -52,10 +70,10 @@ fn policy() -> Policy {
         .as_array()
         .unwrap();
     assert!(
-        rules.iter().any(|r| r["resources"] == json!(["nodes"])
-            && r["operations"] == json!(["UPDATE"])
-            && r["apiGroups"] == json!([""])),
-        "a patch reaches admission as an UPDATE of nodes: {rules:?}"
+        rules.iter().any(|r| r["resources"] == json!([resource])
+            && r["operations"] == json!(operations)
+            && r["apiGroups"] == json!([group])),
+        "{file} must match {operations:?} of {resource}: {rules:?}"
     );
     let list = |key: &str, a: &str, b: &str| -> Vec<(String, String)> {
         spec[key]
@@ -360,16 +378,96 @@ fn the_node_plugin_may_not_change_its_nodes_owner_references_or_finalizers() {
 }
 
 #[test]
-fn the_policy_is_bound_to_deny() {
-    let p = policy();
-    let docs = base_file("policy-node.yaml");
-    let b = docs
-        .iter()
-        .find(|d| d["kind"] == "ValidatingAdmissionPolicyBinding")
-        .expect("a binding");
-    assert_eq!(b["spec"]["policyName"], json!(p.name));
-    assert!(b["spec"]["validationActions"]
-        .as_array()
-        .unwrap()
-        .contains(&json!("Deny")));
+fn the_policies_are_bound_to_deny() {
+    for (file, p) in [
+        ("policy-node.yaml", policy()),
+        ("policy-node-heartbeat.yaml", heartbeat_policy()),
+    ] {
+        let docs = base_file(file);
+        let b = docs
+            .iter()
+            .find(|d| d["kind"] == "ValidatingAdmissionPolicyBinding")
+            .expect("a binding");
+        assert_eq!(b["spec"]["policyName"], json!(p.name), "{file}");
+        assert!(
+            b["spec"]["validationActions"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("Deny")),
+            "{file}"
+        );
+    }
+}
+
+/// A heartbeat Lease as the node plugin writes it (driver/src/node/heartbeat.rs).
+fn heartbeat(node: &str) -> Value {
+    json!({
+        "metadata": {
+            "name": heartbeat_lease_name(node),
+            "namespace": "fencecsi",
+            "labels": {HEARTBEAT_LABEL.0: HEARTBEAT_LABEL.1},
+        },
+        "spec": {"holderIdentity": node, "renewTime": "2026-11-28T10:00:00.000000Z"},
+    })
+}
+
+#[test]
+fn the_node_plugin_may_write_only_its_own_nodes_heartbeat() {
+    let p = heartbeat_policy();
+    let me = node_plugin_user();
+    let create = |token: Option<&str>, lease: &Value| {
+        let mut r = request(&me, token);
+        r["operation"] = json!("CREATE");
+        p.admit(r, lease, &Value::Null)
+    };
+    let update =
+        |token: Option<&str>, lease: &Value| p.admit(request(&me, token), lease, &heartbeat("n1"));
+    // Allowed: its own heartbeat, created and renewed.
+    assert_eq!(create(Some("n1"), &heartbeat("n1")), Verdict::Allowed);
+    assert_eq!(update(Some("n1"), &heartbeat("n1")), Verdict::Allowed);
+    let denied = |v: Verdict, why: &str| match v {
+        Verdict::Denied(m) => assert!(m.contains(why), "{m}"),
+        other => panic!("allowed: {other:?} ({why})"),
+    };
+    // Another node's heartbeat, kept alive from here.
+    denied(
+        create(Some("n1"), &heartbeat("n2")),
+        "only its own node's heartbeat",
+    );
+    denied(
+        update(Some("n2"), &heartbeat("n1")),
+        "only its own node's heartbeat",
+    );
+    // Its own Lease name naming another holder, and the other way round.
+    let mut wrong_holder = heartbeat("n1");
+    wrong_holder["spec"]["holderIdentity"] = json!("n2");
+    denied(update(Some("n1"), &wrong_holder), "holder: n2");
+    let mut no_holder = heartbeat("n1");
+    no_holder["spec"] = json!({});
+    denied(
+        update(Some("n1"), &no_holder),
+        "only its own node's heartbeat",
+    );
+    // A controller's leader-election Lease in the same namespace.
+    let mut leader = heartbeat("n1");
+    leader["metadata"]["name"] = json!("fencecsi-podgc");
+    denied(update(Some("n1"), &leader), "Lease: fencecsi-podgc");
+    // Without the label podgc watches by.
+    let mut unlabelled = heartbeat("n1");
+    unlabelled["metadata"]["labels"] = json!({});
+    denied(
+        update(Some("n1"), &unlabelled),
+        "fencecsi.io/heartbeat=node",
+    );
+    // A token that names no node.
+    denied(create(None, &heartbeat("n1")), "token node: none");
+    // Another user is not this policy's to judge.
+    assert_eq!(
+        p.admit(
+            request("system:serviceaccount:fencecsi:fencecsi-controller", None),
+            &heartbeat("n2"),
+            &Value::Null
+        ),
+        Verdict::NotMatched
+    );
 }

@@ -293,6 +293,18 @@ pub struct Config {
     #[arg(long, help_heading = NODE_FLAGS)]
     pub report_node_clean: bool,
 
+    /// Renew this node's heartbeat Lease (fencecsi-node-<node> in --heartbeat-namespace)
+    /// this often, so podgc sees the node stop within seconds (it acts only when the
+    /// node's kubelet does not answer either). Needs a cluster client, as
+    /// --report-node-clean. One Lease update per node per interval. 0: no heartbeat.
+    #[arg(long, default_value = "0s", value_parser = parse_duration, help_heading = NODE_FLAGS)]
+    pub heartbeat_interval: std::time::Duration,
+
+    /// Namespace of the heartbeat Lease; default: the plugin's own (POD_NAMESPACE, else
+    /// the service-account namespace file, else "default").
+    #[arg(long, env = "POD_NAMESPACE", help_heading = NODE_FLAGS)]
+    pub heartbeat_namespace: Option<String>,
+
     /// Name of this node's Node object, if it differs from --node-id.
     #[arg(long, env = "NODE_NAME", help_heading = NODE_FLAGS)]
     pub node_name: Option<String>,
@@ -447,6 +459,8 @@ impl Config {
             // with tests that drive NodeUnpublish/NodeUnstage of fenced volumes themselves.
             recover_interval: std::time::Duration::ZERO,
             report_node_clean: false,
+            heartbeat_interval: std::time::Duration::ZERO,
+            heartbeat_namespace: None,
             node_name: None,
             kube: Default::default(),
             election: Default::default(),
@@ -582,6 +596,7 @@ mod tests {
         assert_eq!(local.gc_interval, flags.gc_interval);
         assert_eq!(local.max_freeze, flags.max_freeze);
         assert_eq!(local.report_node_clean, flags.report_node_clean);
+        assert_eq!(local.heartbeat_interval, flags.heartbeat_interval);
         assert_eq!(local.node_state_dir, flags.node_state_dir);
         assert_eq!(local.state_dir_must_be_mount, flags.state_dir_must_be_mount);
         assert_eq!(local.http_endpoint, flags.http_endpoint);
@@ -688,6 +703,7 @@ mod tests {
                 "gc-interval",
                 "identity",
                 "leader-election",
+                "leader-election-follow",
                 "leader-election-lease-duration",
                 "leader-election-lease-name",
                 "leader-election-namespace",
@@ -701,6 +717,8 @@ mod tests {
         assert_eq!(
             under(NODE_FLAGS),
             [
+                "heartbeat-interval",
+                "heartbeat-namespace",
                 "kubelet-dir",
                 "node-id",
                 "node-name",

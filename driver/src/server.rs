@@ -40,6 +40,9 @@ pub struct ServeHooks {
     /// The API server leader election uses (with `--leader-election`); default: the one
     /// `--kubeconfig` or the in-cluster configuration names.
     pub leader_cluster: Option<fencecsi_cluster::Cluster>,
+    /// The API server the node's heartbeat goes to (with `--heartbeat-interval`); default:
+    /// the one `--kubeconfig` or the in-cluster configuration names.
+    pub heartbeat_cluster: Option<fencecsi_cluster::Cluster>,
     /// What happens when this controller stops leading; default: the process exits.
     pub on_lost_leadership: Option<crate::leadership::OnLostLeadership>,
     /// Arm the controller's kill switch (`locks::kill_switch`): a successor that leads the
@@ -117,6 +120,7 @@ pub async fn serve_with_metrics(
         )
     });
     let recovery = start_recovery(&cfg, node.as_ref(), &mut hooks).await?;
+    let _heartbeat = start_heartbeat(&cfg, node.is_some(), &mut hooks).await?;
     // With leader election, the controller that gives up the state dir if it stops leading.
     let leading = lease.zip(controller.clone()).map(|(h, c)| {
         crate::leadership::watch_leadership(
@@ -301,6 +305,40 @@ fn spawn_gc(
     })
 }
 
+/// The node's heartbeat Lease, where configured; it stops when the handle is dropped.
+async fn start_heartbeat(
+    cfg: &Config,
+    node: bool,
+    hooks: &mut ServeHooks,
+) -> Result<Option<crate::node::heartbeat::HeartbeatHandle>, ServeError> {
+    if !node || cfg.heartbeat_interval.is_zero() {
+        return Ok(None);
+    }
+    let cluster = match hooks.heartbeat_cluster.take() {
+        Some(c) => c,
+        None => cfg.kube.connect().await.map_err(|e| {
+            ServeError::Config(format!("--heartbeat-interval needs a cluster client: {e}"))
+        })?,
+    };
+    let opts = crate::node::heartbeat::HeartbeatOptions {
+        namespace: cfg
+            .heartbeat_namespace
+            .clone()
+            .unwrap_or_else(fencecsi_cluster::cli::own_namespace),
+        node: node_name(cfg),
+        interval: cfg.heartbeat_interval,
+    };
+    Ok(Some(crate::node::heartbeat::spawn(cluster, opts)))
+}
+
+/// The name of this node's Node object.
+fn node_name(cfg: &Config) -> String {
+    cfg.node_name
+        .clone()
+        .or_else(|| cfg.node_id.clone())
+        .unwrap_or_default()
+}
+
 /// The binary's clean reporter: writes the Node annotation through a real
 /// API server (in-cluster config, or --kubeconfig).
 async fn node_clean_reporter(
@@ -309,11 +347,7 @@ async fn node_clean_reporter(
     let cluster = cfg.kube.connect().await.map_err(|e| {
         ServeError::Config(format!("--report-node-clean needs a cluster client: {e}"))
     })?;
-    let node = cfg
-        .node_name
-        .clone()
-        .or_else(|| cfg.node_id.clone())
-        .unwrap_or_default();
+    let node = node_name(cfg);
     tracing::info!(node = %node, "clean reports go to the Node object");
     Ok(Arc::new(crate::node::report::NodeCleanReporter::new(
         &cluster, &node,

@@ -13,6 +13,36 @@ pub const DEFAULT_SHUTDOWN_GRACE: &str = "30s";
 pub const DEFAULT_NODE_LEASE_GRACE: &str = "15s";
 pub const DEFAULT_MAX_UNHEALTHY_FRACTION: f64 = 0.55;
 pub const DEFAULT_RESYNC_INTERVAL: &str = "5s";
+pub const DEFAULT_HEARTBEAT_GRACE: &str = "2s";
+pub const DEFAULT_KUBELET_PROBE_TIMEOUT: &str = "1s";
+/// The namespace the node plugins' heartbeat Leases are in when none is given: deploy/base's.
+pub const DEFAULT_HEARTBEAT_NAMESPACE: &str = "fencecsi";
+
+/// The fast path: a node is down when its node plugin's heartbeat stopped *and* its kubelet
+/// does not answer a TLS handshake. Either signal alone can lie (a crashed node plugin, an
+/// API server that is slow, a kubelet restarting); both at once mean the node is frozen,
+/// dead or cut off from podgc and from the API server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatConfig {
+    /// Where the heartbeat Leases are (`fencecsi.io/heartbeat=node`, one per node).
+    pub namespace: String,
+    /// A heartbeat not renewed for this long (podgc's clock, from when it saw the last
+    /// renewal) makes podgc probe the node's kubelet. The node plugin renews every second
+    /// in deploy/base, so 2 s is one missed renewal plus latency.
+    pub grace: Duration,
+    /// Bound of one kubelet probe (connect and TLS handshake).
+    pub probe_timeout: Duration,
+}
+
+impl Default for HeartbeatConfig {
+    fn default() -> Self {
+        HeartbeatConfig {
+            namespace: DEFAULT_HEARTBEAT_NAMESPACE.into(),
+            grace: default_duration(DEFAULT_HEARTBEAT_GRACE),
+            probe_timeout: default_duration(DEFAULT_KUBELET_PROBE_TIMEOUT),
+        }
+    }
+}
 
 /// What podgc does and when.
 #[derive(Debug, Clone)]
@@ -31,6 +61,9 @@ pub struct PodGcConfig {
     /// Acting on a node that is only slow is safe: the fence stops its writes, and the
     /// cost is a pod restart.
     pub node_lease_grace: Option<Duration>,
+    /// The fast path ([`HeartbeatConfig`]); `None`: off. A node without a heartbeat Lease
+    /// (no node plugin, or one that does not beat) is never acted on by it.
+    pub heartbeat: Option<HeartbeatConfig>,
     /// Disruption mode: while more than this fraction of all nodes is NotReady, podgc
     /// does nothing.
     pub max_unhealthy_fraction: f64,
@@ -52,6 +85,7 @@ impl Default for PodGcConfig {
         PodGcConfig {
             shutdown_grace: default_duration(DEFAULT_SHUTDOWN_GRACE),
             node_lease_grace: Some(default_duration(DEFAULT_NODE_LEASE_GRACE)),
+            heartbeat: Some(HeartbeatConfig::default()),
             max_unhealthy_fraction: DEFAULT_MAX_UNHEALTHY_FRACTION,
             out_of_service_taint: false,
             resync_interval: default_duration(DEFAULT_RESYNC_INTERVAL),
@@ -71,6 +105,10 @@ pub enum ConfigError {
     ZeroResyncInterval,
     #[error("identity must not be empty")]
     EmptyIdentity,
+    #[error("the heartbeat grace and the kubelet probe timeout must be > 0")]
+    ZeroHeartbeatTiming,
+    #[error("the heartbeat namespace must not be empty")]
+    EmptyHeartbeatNamespace,
 }
 
 impl PodGcConfig {
@@ -83,6 +121,14 @@ impl PodGcConfig {
         }
         if self.identity.is_empty() {
             return Err(ConfigError::EmptyIdentity);
+        }
+        if let Some(h) = &self.heartbeat {
+            if h.grace.is_zero() || h.probe_timeout.is_zero() {
+                return Err(ConfigError::ZeroHeartbeatTiming);
+            }
+            if h.namespace.is_empty() {
+                return Err(ConfigError::EmptyHeartbeatNamespace);
+            }
         }
         Ok(())
     }
@@ -109,6 +155,12 @@ mod tests {
             c.validate().unwrap_err().to_string(),
             "resync_interval must be > 0"
         );
+        let mut c = ok.clone();
+        c.heartbeat.as_mut().unwrap().probe_timeout = Duration::ZERO;
+        assert_eq!(c.validate(), Err(ConfigError::ZeroHeartbeatTiming));
+        let mut c = ok.clone();
+        c.heartbeat.as_mut().unwrap().namespace.clear();
+        assert_eq!(c.validate(), Err(ConfigError::EmptyHeartbeatNamespace));
         let mut c = ok;
         c.identity.clear();
         assert_eq!(c.validate(), Err(ConfigError::EmptyIdentity));

@@ -40,6 +40,7 @@ pub mod config;
 pub mod controller;
 mod error;
 pub mod http;
+pub mod kubelet_probe;
 pub mod metrics;
 pub mod volumes;
 

@@ -6,6 +6,7 @@ use fencecsi_cluster::cli::{
 };
 use fencecsi_cluster::http::HttpEndpoint;
 use fencecsi_podgc::config::{
+    HeartbeatConfig, DEFAULT_HEARTBEAT_GRACE, DEFAULT_KUBELET_PROBE_TIMEOUT,
     DEFAULT_MAX_UNHEALTHY_FRACTION, DEFAULT_NODE_LEASE_GRACE, DEFAULT_RESYNC_INTERVAL,
     DEFAULT_SHUTDOWN_GRACE, NAME,
 };
@@ -15,7 +16,8 @@ use fencecsi_podgc::{PodGc, PodGcConfig};
 ///
 /// A node whose Ready condition has been False/Unknown for longer than --shutdown-grace
 /// (or, where no node lifecycle controller runs, whose Lease in kube-node-lease is older
-/// than --node-lease-grace) is quarantined (taint fencecsi.io/quarantine:NoSchedule),
+/// than --node-lease-grace, or whose node plugin's heartbeat stopped while its kubelet does
+/// not answer) is quarantined (taint fencecsi.io/quarantine:NoSchedule),
 /// its terminating pods whose every volume belongs to a CSI driver annotated
 /// fencecsi.io/safe-detach="true" (never ReadWriteMany) are force-deleted with a
 /// DisruptionTarget condition, and their VolumeAttachments are deleted so the attacher
@@ -46,6 +48,23 @@ struct RunArgs {
     /// on a node that is only slow cost a pod restart, not data). 0 disables.
     #[arg(long, default_value = DEFAULT_NODE_LEASE_GRACE, value_parser = parse_duration)]
     node_lease_grace: Duration,
+
+    /// The fast path: once a node plugin's heartbeat Lease (fencecsi.io/heartbeat=node) has
+    /// not been renewed for this long, probe the node's kubelet (a TLS handshake on its
+    /// serving port); a node whose kubelet does not answer either is down at once. Each
+    /// signal alone can lie (a crashed node plugin, a slow API server, a restarting
+    /// kubelet); both at once mean the node is frozen, dead or cut off. 0 disables.
+    #[arg(long, default_value = DEFAULT_HEARTBEAT_GRACE, value_parser = parse_duration)]
+    heartbeat_grace: Duration,
+
+    /// Namespace of the heartbeat Leases (the node plugin's); default: podgc's own
+    /// (POD_NAMESPACE, else the service-account namespace file, else "default").
+    #[arg(long, env = "POD_NAMESPACE")]
+    heartbeat_namespace: Option<String>,
+
+    /// Bound of one kubelet probe (connect and TLS handshake).
+    #[arg(long, default_value = DEFAULT_KUBELET_PROBE_TIMEOUT, value_parser = parse_duration)]
+    kubelet_probe_timeout: Duration,
 
     /// Disruption mode: do nothing while more than this fraction of nodes is NotReady.
     #[arg(long, default_value_t = DEFAULT_MAX_UNHEALTHY_FRACTION)]
@@ -83,6 +102,14 @@ impl RunArgs {
         let cfg = PodGcConfig {
             shutdown_grace: self.shutdown_grace,
             node_lease_grace: Some(self.node_lease_grace).filter(|d| !d.is_zero()),
+            heartbeat: (!self.heartbeat_grace.is_zero()).then(|| HeartbeatConfig {
+                namespace: self
+                    .heartbeat_namespace
+                    .clone()
+                    .unwrap_or_else(fencecsi_cluster::cli::own_namespace),
+                grace: self.heartbeat_grace,
+                probe_timeout: self.kubelet_probe_timeout,
+            }),
             max_unhealthy_fraction: self.max_unhealthy_fraction,
             out_of_service_taint: self.out_of_service_taint,
             resync_interval: self.resync_interval,
@@ -148,6 +175,8 @@ mod tests {
         assert_eq!(flags.max_unhealthy_fraction, lib.max_unhealthy_fraction);
         assert_eq!(flags.out_of_service_taint, lib.out_of_service_taint);
         assert_eq!(flags.resync_interval, lib.resync_interval);
+        let (f, l) = (flags.heartbeat.unwrap(), lib.heartbeat.unwrap());
+        assert_eq!((f.grace, f.probe_timeout), (l.grace, l.probe_timeout));
         assert!(flags.leader_election.is_none() && lib.leader_election.is_none());
         assert_eq!(cli.run.http_endpoint, None, "no HTTP unless asked");
     }

@@ -13,8 +13,23 @@ pub struct ReasonLabels {
 }
 
 /// podgc's metrics; the handles are cheap clones sharing the registered values.
+/// A kubelet probe's outcome: "yes" (it answered) or "no".
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AnsweredLabels {
+    pub answered: String,
+}
+
+impl AnsweredLabels {
+    pub fn of(answered: bool) -> AnsweredLabels {
+        AnsweredLabels {
+            answered: if answered { "yes" } else { "no" }.into(),
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    pub kubelet_probes: Family<AnsweredLabels, Counter>,
     /// Pods force-deleted, by why they were selected (`safe-detach-volumes`, `no-volumes`).
     pub force_deletions: Family<ReasonLabels, Counter>,
     /// Terminating pods on shut-down nodes left alone, by why (counted once per pod).
@@ -44,6 +59,7 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("fencecsi_podgc");
         let m = Metrics {
+            kubelet_probes: Family::default(),
             force_deletions: Family::default(),
             skipped_pods: Family::default(),
             volume_attachments_deleted: Counter::default(),
@@ -99,6 +115,11 @@ impl Metrics {
             m.leader.clone(),
         );
         registry.register("passes", "Reconcile passes run", m.passes.clone());
+        registry.register(
+            "kubelet_probes",
+            "Probes of the kubelets of nodes whose heartbeat stopped, by whether it answered",
+            m.kubelet_probes.clone(),
+        );
         registry.register(
             "pass_duration_seconds",
             "Duration of a reconcile pass",

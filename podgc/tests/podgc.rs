@@ -5,18 +5,14 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
+use common::world::*;
 use common::*;
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use fencecsi_cluster::k8s_openapi::api::core::v1::{
-    Node, NodeCondition, PersistentVolume, PersistentVolumeClaim, Pod, Taint, Volume,
-};
-use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
-use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, VolumeAttachment};
-use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{
-    MicroTime, ObjectMeta, Time,
-};
+use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeCondition, Pod, Taint};
+use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
-use fencecsi_cluster::sim::{self, ready_node};
+use fencecsi_cluster::sim;
 use fencecsi_cluster::well_known::*;
 use fencecsi_cluster::{
     Cluster, DeleteOptions, LeaderElectionConfig, ListParams, MetadataPatch, WatchEvent,
@@ -27,88 +23,6 @@ use fencecsi_driver::node::report::NodeCleanReporter;
 use fencecsi_podgc::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
 use fencecsi_podgc::{disrupt_and_delete, DeleteResult, PodGc, PodGcConfig, PodGcHandle};
 use futures::StreamExt;
-
-const SAFE: &str = DRIVER_NAME;
-const UNSAFE: &str = "other.example.com";
-const NS: &str = "apps";
-
-fn meta(name: &str, ns: Option<&str>) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name.into()),
-        namespace: ns.map(Into::into),
-        ..Default::default()
-    }
-}
-
-async fn cluster(nodes: &[&str]) -> Cluster {
-    let c = Cluster::embedded();
-    for (name, safe) in [(SAFE, true), (UNSAFE, false)] {
-        let mut d = CSIDriver {
-            metadata: meta(name, None),
-            spec: CSIDriverSpec::default(),
-        };
-        if safe {
-            d.metadata.annotations = Some([(SAFE_DETACH_ANNOTATION.into(), "true".into())].into());
-        }
-        c.api::<CSIDriver>(None).create(&d).await.unwrap();
-    }
-    for n in nodes {
-        c.api::<Node>(None).create(&ready_node(n)).await.unwrap();
-    }
-    c
-}
-
-/// A pod on `node`; with `volume = Some((driver, access mode))` it has a PVC bound to a CSI
-/// PV of that driver and a VolumeAttachment on the node. Returns (pod, VA name).
-async fn pod(
-    c: &Cluster,
-    name: &str,
-    node: &str,
-    volume: Option<(&str, &str)>,
-) -> (Pod, Option<String>) {
-    let mut volumes = vec![Volume {
-        name: "scratch".into(),
-        empty_dir: Some(Default::default()),
-        ..Default::default()
-    }];
-    let mut va_name = None;
-    if let Some((driver, mode)) = volume {
-        let pv = format!("pv-{name}");
-        let claim = format!("data-{name}");
-        let handle = format!("handle-{name}");
-        c.api::<PersistentVolume>(None)
-            .create(&csi_pv(meta(&pv, None), driver, &handle, mode))
-            .await
-            .unwrap();
-        c.api::<PersistentVolumeClaim>(Some(NS))
-            .create(&bound_claim(meta(&claim, Some(NS)), &pv, mode))
-            .await
-            .unwrap();
-        let va = volume_attachment_name(&handle, driver, node);
-        c.api::<VolumeAttachment>(None)
-            .create(&volume_attachment(meta(&va, None), driver, node, &pv))
-            .await
-            .unwrap();
-        volumes.push(claim_volume(&claim));
-        va_name = Some(va);
-    }
-    let p = c
-        .api::<Pod>(Some(NS))
-        .create(&pod_on(meta(name, Some(NS)), node, volumes))
-        .await
-        .unwrap();
-    (p, va_name)
-}
-
-/// Graceful delete: the pod turns Terminating (no kubelet finishes it).
-async fn terminate(c: &Cluster, name: &str) {
-    let out = c
-        .api::<Pod>(Some(NS))
-        .delete(name, &DeleteOptions::default())
-        .await
-        .unwrap();
-    assert!(!out.is_deleted());
-}
 
 /// Ready=`status` since `ago`.
 async fn set_ready(c: &Cluster, node: &str, status: &str, ago: Duration) {
@@ -122,33 +36,6 @@ async fn set_ready(c: &Cluster, node: &str, status: &str, ago: Duration) {
         ..Default::default()
     }]);
     api.replace_status(&n).await.unwrap();
-}
-
-fn cfg() -> PodGcConfig {
-    PodGcConfig {
-        shutdown_grace: Duration::from_secs(2),
-        node_lease_grace: None,
-        resync_interval: Duration::from_millis(200),
-        debounce: Duration::from_millis(10),
-        identity: "podgc-test".into(),
-        ..Default::default()
-    }
-}
-
-async fn wait_for<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    // A bound on liveness only: what is waited for comes within a grace or two.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !f().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Lets podgc run until a pass has begun after the grace that starts when it starts
@@ -178,15 +65,6 @@ async fn passes(h: &PodGcHandle, n: usize) {
     for _ in 0..n {
         h.next_pass().await;
     }
-}
-
-async fn events(c: &Cluster, reason: &str) -> Vec<Event> {
-    c.api::<Event>(None)
-        .list_filtered(&ListParams::default(), |e| {
-            e.reason.as_deref() == Some(reason)
-        })
-        .await
-        .unwrap()
 }
 
 fn rv<K: fencecsi_cluster::Object>(o: &K) -> u64 {

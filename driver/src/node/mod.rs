@@ -20,6 +20,7 @@
 
 pub mod ephemeral;
 mod expand;
+pub mod heartbeat;
 mod publish;
 pub mod recover;
 pub mod report;

@@ -3,13 +3,15 @@
 //! pass soon.
 
 use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
 use fencecsi_cluster::well_known::{
-    NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY, SAFE_DETACH_ANNOTATION,
+    heartbeat_lease_name, NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY,
+    SAFE_DETACH_ANNOTATION,
 };
 use fencecsi_cluster::WatchEvent;
 
@@ -39,6 +41,31 @@ pub(super) struct NodeInfo {
     pub(super) clean_at: Option<Timestamp>,
     pub(super) fences_done: bool,
     oos_added: bool,
+    /// Where its kubelet serves (first InternalIP, else ExternalIP; the daemon endpoint's
+    /// port): what the fast path probes.
+    pub(super) kubelet: Option<SocketAddr>,
+}
+
+/// The kubelet's serving port when the Node does not say.
+const DEFAULT_KUBELET_PORT: u16 = 10250;
+
+fn kubelet_endpoint(n: &Node) -> Option<SocketAddr> {
+    let status = n.status.as_ref()?;
+    let addresses = status.addresses.as_deref().unwrap_or(&[]);
+    let ip = ["InternalIP", "ExternalIP"].iter().find_map(|kind| {
+        addresses
+            .iter()
+            .filter(|a| a.type_ == *kind)
+            .find_map(|a| a.address.parse::<IpAddr>().ok())
+    })?;
+    let port = status
+        .daemon_endpoints
+        .as_ref()
+        .and_then(|d| d.kubelet_endpoint.as_ref())
+        .and_then(|e| u16::try_from(e.port).ok())
+        .filter(|p| *p != 0)
+        .unwrap_or(DEFAULT_KUBELET_PORT);
+    Some(SocketAddr::new(ip, port))
 }
 
 impl NodeInfo {
@@ -71,6 +98,7 @@ impl NodeInfo {
             clean_at: parse_time(get(NODE_CLEAN_ANNOTATION)),
             fences_done: get(FENCES_DONE).is_some(),
             oos_added: get(OUT_OF_SERVICE_ADDED).is_some(),
+            kubelet: kubelet_endpoint(n),
         }
     }
 
@@ -141,6 +169,123 @@ pub(super) struct LeaseInfo {
     pub(super) observed: Timestamp,
 }
 
+/// Which node a Lease speaks for: the kubelet's Lease is named after its node; a heartbeat
+/// Lease names its node in holderIdentity, and counts only under its own name (see
+/// [`heartbeat_lease_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LeaseKind {
+    Kubelet,
+    Heartbeat,
+}
+
+impl LeaseKind {
+    fn node_of(self, l: &Lease) -> Option<String> {
+        let name = l.metadata.name.clone()?;
+        match self {
+            LeaseKind::Kubelet => Some(name),
+            LeaseKind::Heartbeat => {
+                let holder = l.spec.as_ref()?.holder_identity.clone()?;
+                (heartbeat_lease_name(&holder) == name).then_some(holder)
+            }
+        }
+    }
+}
+
+/// The renewals of one kind of Lease, per node, as podgc saw them arrive.
+#[derive(Debug)]
+pub(super) struct Renewals {
+    kind: LeaseKind,
+    by_node: HashMap<String, LeaseInfo>,
+}
+
+fn renew_of(l: &Lease) -> Option<String> {
+    l.spec
+        .as_ref()
+        .and_then(|s| s.renew_time.as_ref())
+        .map(|t| t.0.to_string())
+}
+
+impl Renewals {
+    pub(super) fn new(kind: LeaseKind) -> Renewals {
+        Renewals {
+            kind,
+            by_node: HashMap::new(),
+        }
+    }
+
+    pub(super) fn get(&self, node: &str) -> Option<&LeaseInfo> {
+        self.by_node.get(node)
+    }
+
+    fn upsert(&mut self, old: Option<&LeaseInfo>, node: String, l: &Lease, now: Timestamp) {
+        let renew = renew_of(l);
+        let observed = match old {
+            Some(o) if o.renew == renew => o.observed,
+            _ => now,
+        };
+        self.by_node.insert(node, LeaseInfo { renew, observed });
+    }
+
+    /// Applies a watch event; returns whether it was the list (the cache is synced).
+    pub(super) fn apply(&mut self, ev: WatchEvent<Lease>) -> bool {
+        let now = now();
+        match ev {
+            WatchEvent::Listed(items) => {
+                let old = std::mem::take(&mut self.by_node);
+                for l in &items {
+                    if let Some(node) = self.kind.node_of(l) {
+                        self.upsert(old.get(&node), node, l, now);
+                    }
+                }
+                true
+            }
+            WatchEvent::Added(l) | WatchEvent::Modified(l) => {
+                if let Some(node) = self.kind.node_of(&l) {
+                    let old = self.by_node.get(&node).cloned();
+                    self.upsert(old.as_ref(), node, &l, now);
+                }
+                false
+            }
+            WatchEvent::Deleted(l) => {
+                if let Some(node) = self.kind.node_of(&l) {
+                    self.by_node.remove(&node);
+                }
+                false
+            }
+        }
+    }
+
+    /// Compares a Lease read just now with what the watch delivered: `true` when it is
+    /// still the renewal podgc last saw, so the node really has not renewed since then.
+    /// Otherwise the watch was behind (an API server restart, a stalled stream), and the
+    /// renewal is recorded as seen now.
+    pub(super) fn unchanged(&mut self, fresh: &Lease) -> bool {
+        let Some(node) = self.kind.node_of(fresh) else {
+            return false;
+        };
+        let renew = renew_of(fresh);
+        match self.by_node.get(&node) {
+            Some(l) if l.renew == renew => true,
+            _ => {
+                self.by_node.insert(
+                    node,
+                    LeaseInfo {
+                        renew,
+                        observed: now(),
+                    },
+                );
+                false
+            }
+        }
+    }
+
+    /// The renewals by node.
+    #[cfg(test)]
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&String, &LeaseInfo)> {
+        self.by_node.iter()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct VaInfo {
     node: String,
@@ -161,23 +306,74 @@ impl VaInfo {
 }
 
 /// The projections the watches feed.
-#[derive(Default)]
 pub(super) struct Caches {
     pub(super) nodes: HashMap<String, NodeInfo>,
-    pub(super) leases: HashMap<String, LeaseInfo>,
+    /// The kubelets' Leases in kube-node-lease.
+    pub(super) leases: Renewals,
+    /// The node plugins' heartbeat Leases.
+    pub(super) heartbeats: Renewals,
     pub(super) vas: HashMap<String, VaInfo>,
     pub(super) vas_by_node: HashMap<String, HashSet<String>>,
     /// CSIDriver name -> carries safe-detach "true".
     pub(super) drivers: HashMap<String, bool>,
     pub(super) synced_nodes: bool,
     pub(super) synced_leases: bool,
+    pub(super) synced_heartbeats: bool,
     pub(super) synced_vas: bool,
     pub(super) synced_drivers: bool,
 }
 
 impl Caches {
+    /// Empty; a Lease watch that is not opened counts as synced.
+    pub(super) fn new(watch_leases: bool, watch_heartbeats: bool) -> Caches {
+        Caches {
+            nodes: HashMap::new(),
+            leases: Renewals::new(LeaseKind::Kubelet),
+            heartbeats: Renewals::new(LeaseKind::Heartbeat),
+            vas: HashMap::new(),
+            vas_by_node: HashMap::new(),
+            drivers: HashMap::new(),
+            synced_nodes: false,
+            synced_leases: !watch_leases,
+            synced_heartbeats: !watch_heartbeats,
+            synced_vas: false,
+            synced_drivers: false,
+        }
+    }
+
     pub(super) fn synced(&self) -> bool {
-        self.synced_nodes && self.synced_leases && self.synced_vas && self.synced_drivers
+        self.synced_nodes
+            && self.synced_leases
+            && self.synced_heartbeats
+            && self.synced_vas
+            && self.synced_drivers
+    }
+
+    /// The renewals of `kind`.
+    pub(super) fn renewals(&mut self, kind: LeaseKind) -> &mut Renewals {
+        match kind {
+            LeaseKind::Kubelet => &mut self.leases,
+            LeaseKind::Heartbeat => &mut self.heartbeats,
+        }
+    }
+
+    /// A kubelet Lease event. A renewal of a lease counted as stale makes the node healthy
+    /// again at the next pass; none calls for a pass sooner.
+    pub(super) fn apply_lease(&mut self, ev: WatchEvent<Lease>) -> bool {
+        if self.leases.apply(ev) {
+            self.synced_leases = true;
+            return true;
+        }
+        false
+    }
+
+    /// A heartbeat Lease event; as [`Caches::apply_lease`].
+    pub(super) fn apply_heartbeat(&mut self, ev: WatchEvent<Lease>) -> bool {
+        if self.heartbeats.apply(ev) {
+            self.synced_heartbeats = true;
+            return true;
+        }
+        false
     }
 
     /// Returns whether a pass should follow soon.
@@ -221,73 +417,6 @@ impl Caches {
                 p.metadata.deletion_timestamp.is_some() && concerns(&p)
             }
             WatchEvent::Deleted(p) => concerns(&p),
-        }
-    }
-
-    /// Compares a Lease read just now with what the watch delivered: `true` when it is
-    /// still the renewal podgc last saw, so the node really has not renewed since then.
-    /// Otherwise the watch was behind (an API server restart, a stalled stream), and the
-    /// renewal is recorded as seen now.
-    pub(super) fn lease_unchanged(&mut self, fresh: &Lease) -> bool {
-        let name = fresh.metadata.name.clone().unwrap_or_default();
-        let renew = fresh
-            .spec
-            .as_ref()
-            .and_then(|s| s.renew_time.as_ref())
-            .map(|t| t.0.to_string());
-        match self.leases.get(&name) {
-            Some(l) if l.renew == renew => true,
-            _ => {
-                self.leases.insert(
-                    name,
-                    LeaseInfo {
-                        renew,
-                        observed: now(),
-                    },
-                );
-                false
-            }
-        }
-    }
-
-    pub(super) fn apply_lease(&mut self, ev: WatchEvent<Lease>) -> bool {
-        let renew_of = |l: &Lease| {
-            l.spec
-                .as_ref()
-                .and_then(|s| s.renew_time.as_ref())
-                .map(|t| t.0.to_string())
-        };
-        let now = now();
-        let upsert = |c: &mut HashMap<String, LeaseInfo>, old: Option<&LeaseInfo>, l: &Lease| {
-            let name = l.metadata.name.clone().unwrap_or_default();
-            let renew = renew_of(l);
-            let observed = match old {
-                Some(o) if o.renew == renew => o.observed,
-                _ => now,
-            };
-            c.insert(name, LeaseInfo { renew, observed });
-        };
-        match ev {
-            WatchEvent::Listed(items) => {
-                let old = std::mem::take(&mut self.leases);
-                for l in &items {
-                    let name = l.metadata.name.clone().unwrap_or_default();
-                    upsert(&mut self.leases, old.get(&name), l);
-                }
-                self.synced_leases = true;
-                true
-            }
-            WatchEvent::Added(l) | WatchEvent::Modified(l) => {
-                let name = l.metadata.name.clone().unwrap_or_default();
-                let old = self.leases.get(&name).cloned();
-                upsert(&mut self.leases, old.as_ref(), &l);
-                // A renewal of a lease we counted as stale makes the node healthy again.
-                false
-            }
-            WatchEvent::Deleted(l) => {
-                self.leases.remove(&l.metadata.name.unwrap_or_default());
-                false
-            }
         }
     }
 
@@ -434,6 +563,7 @@ mod tests {
             clean_at: Some(Timestamp::from_second(1_001).unwrap()),
             fences_done: true,
             oos_added: false,
+            kubelet: None,
         };
         assert_eq!(
             ok.liftable(),
@@ -458,22 +588,47 @@ mod tests {
     /// a newer one means the watch was behind, and it counts as seen now.
     #[test]
     fn a_fresh_read_of_a_stale_looking_lease_decides() {
-        let mut c = Caches::default();
+        let mut c = Caches::new(true, true);
         c.apply_lease(WatchEvent::Listed(vec![lease(1_000)]));
-        let seen = c.leases["n1"].observed;
-        assert!(c.lease_unchanged(&lease(1_000)));
+        let seen = c.leases.get("n1").unwrap().observed;
+        assert!(c.leases.unchanged(&lease(1_000)));
         assert_eq!(
-            c.leases["n1"].observed, seen,
+            c.leases.get("n1").unwrap().observed,
+            seen,
             "unchanged: the clock keeps running"
         );
         assert!(
-            !c.lease_unchanged(&lease(1_010)),
+            !c.leases.unchanged(&lease(1_010)),
             "renewed behind the watch's back"
         );
         assert!(
-            c.leases["n1"].observed > seen,
+            c.leases.get("n1").unwrap().observed > seen,
             "the renewal counts from now"
         );
-        assert!(c.lease_unchanged(&lease(1_010)));
+        assert!(c.leases.unchanged(&lease(1_010)));
+    }
+
+    /// A heartbeat Lease speaks for the node its holderIdentity names, and only under
+    /// that node's heartbeat name: another Lease in the namespace (a leader election's)
+    /// or one naming a node other than its own name says is ignored.
+    #[test]
+    fn a_heartbeat_counts_only_under_its_own_nodes_name() {
+        let beat = |name: &str, holder: &str| {
+            let mut l = lease(1_000);
+            l.metadata.name = Some(name.into());
+            l.spec.as_mut().unwrap().holder_identity = Some(holder.into());
+            l
+        };
+        let mut c = Caches::new(true, true);
+        assert!(!c.synced());
+        c.apply_heartbeat(WatchEvent::Listed(vec![
+            beat(&heartbeat_lease_name("n1"), "n1"),
+            beat(&heartbeat_lease_name("n2"), "n3"),
+            beat("fencecsi-podgc", "podgc-0"),
+        ]));
+        assert!(c.synced_heartbeats);
+        let nodes: Vec<&String> = c.heartbeats.iter().map(|(n, _)| n).collect();
+        assert_eq!(nodes, vec!["n1"]);
+        assert!(c.leases.get("n1").is_none(), "kubelet Leases are apart");
     }
 }

@@ -7,7 +7,7 @@
 //! (it backs off after an API server restart) or dead without a sign (a network cut). A
 //! lift is decided on the Node and the VolumeAttachments read from the API server right
 //! before it, as a stale-looking Lease is read again before podgc acts on a node
-//! (`Runner::lease_still_stale`). When those reads disagree with the cache, nothing is
+//! (`Runner::still_stale`). When those reads disagree with the cache, nothing is
 //! lifted this pass, and the cache takes what was read.
 
 use std::collections::HashSet;

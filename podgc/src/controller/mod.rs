@@ -34,6 +34,7 @@
 //! - `run`: [`PodGc`], its handle, and the task loop that feeds the caches and times passes;
 //! - `caches`: the projections the watches feed;
 //! - `pass`: one pass: which nodes are down, disruption mode, what to lift and act on;
+//! - `fast_path`: the node plugin's heartbeat confirmed by a kubelet probe;
 //! - `classify`: which pods of a down node podgc may force-delete;
 //! - `quarantine`: the taints and annotations podgc writes on a node;
 //! - `delete`: force-deleting pods; `detach`: deleting the VolumeAttachments left behind;
@@ -45,6 +46,7 @@ mod classify;
 mod delete;
 mod detach;
 mod events;
+mod fast_path;
 mod lift;
 mod pass;
 mod quarantine;
@@ -61,6 +63,7 @@ use fencecsi_cluster::{Cluster, EventRecorder};
 use crate::config::PodGcConfig;
 use crate::metrics::Metrics;
 use caches::Caches;
+use fast_path::Probes;
 
 pub use delete::{disrupt_and_delete, DeleteResult};
 pub use pass::PassSummary;
@@ -82,6 +85,8 @@ struct Runner {
     metrics: Arc<Metrics>,
     recorder: EventRecorder,
     caches: Caches,
+    /// Kubelet probes of nodes whose heartbeat stopped (`fast_path`).
+    probes: Probes,
     in_disruption: bool,
     /// When podgc last restarted every node's clocks: when disruption mode ended, and
     /// when this instance started leading (it knows nothing of the time before; the node

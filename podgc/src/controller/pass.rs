@@ -6,10 +6,10 @@ use std::collections::HashSet;
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
 use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
-use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
+use fencecsi_cluster::well_known::{heartbeat_lease_name, NODE_LEASE_NAMESPACE};
 use fencecsi_cluster::{EventType, ListParams};
 
-use super::caches::{NodeInfo, Readiness};
+use super::caches::{LeaseKind, NodeInfo, Readiness};
 use super::classify::{classify_pods, NodePods};
 use super::{now, sd, Runner};
 use crate::Result;
@@ -29,10 +29,12 @@ pub struct PassSummary {
     pub lifted: Vec<String>,
     /// Nodes carrying the quarantine taint after the pass.
     pub quarantined: usize,
+    /// Nodes whose heartbeat is stale but whose kubelet answered a probe since: not down.
+    pub kubelet_answered: Vec<String>,
 }
 
 /// A node podgc counts as down: the Suspect state of docs/lifecycle.md.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Suspect {
     /// Since when it counts as down (for disruption mode).
     since: Timestamp,
@@ -41,24 +43,37 @@ pub(super) struct Suspect {
     why: SuspectBy,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum SuspectBy {
     NotReady,
     /// The Lease, last seen renewed then.
     Lease(Timestamp),
+    /// The heartbeat, last seen renewed then, and why the kubelet did not answer.
+    Heartbeat(Timestamp, String),
+}
+
+fn fraction(unhealthy: usize, nodes: usize) -> f64 {
+    if nodes == 0 {
+        0.0
+    } else {
+        unhealthy as f64 / nodes as f64
+    }
 }
 
 impl Runner {
-    /// Whether the node is down and when podgc may act on it. Two signals, the earlier
+    /// Whether the node is down and when podgc may act on it. Three ways, the earliest
     /// wins:
     /// - its Ready condition False/Unknown: act `shutdown_grace` after the transition
     ///   (the node lifecycle controller has already waited its own grace for Unknown; a
     ///   kubelet reporting False is alive, so the grace is long);
     /// - its Lease unrenewed for `node_lease_grace` (podgc's clock, from when it saw the
     ///   last renewal): act then. The kubelet renews every 10 s, so a dead node is seen
-    ///   within seconds of the grace, long before NotReady.
+    ///   within seconds of the grace, long before NotReady;
+    /// - its node plugin's heartbeat stale and its kubelet not answering (`fast_path`):
+    ///   act at once.
     ///
-    /// Neither clock starts before disruption mode last ended.
+    /// Neither of the first two clocks starts before disruption mode last ended or podgc
+    /// started leading; the fast path's probe checks the node as it is now instead.
     fn suspect(&self, name: &str, info: &NodeInfo, now: Timestamp) -> Option<Suspect> {
         let floor = |t: Timestamp| match self.clocks_restarted {
             Some(ended) if ended > t => ended,
@@ -81,10 +96,17 @@ impl Runner {
                 why: SuspectBy::Lease(floor(l.observed)),
             })
         });
-        match (by_condition, by_lease) {
-            (Some(a), Some(b)) => Some(if b.act_at < a.act_at { b } else { a }),
-            (a, b) => a.or(b),
-        }
+        let by_heartbeat = self
+            .down_by_heartbeat(name, now)
+            .map(|(stale, why)| Suspect {
+                since: stale.stale_at,
+                act_at: stale.stale_at,
+                why: SuspectBy::Heartbeat(stale.renewed, why),
+            });
+        [by_condition, by_lease, by_heartbeat]
+            .into_iter()
+            .flatten()
+            .min_by_key(|s| s.act_at)
     }
 
     pub(super) async fn pass(&mut self) -> PassSummary {
@@ -96,6 +118,16 @@ impl Runner {
             nodes: self.caches.nodes.len(),
             ..Default::default()
         };
+        self.forget_probes_of_gone_nodes();
+        self.launch_probes(now);
+        s.kubelet_answered = self
+            .caches
+            .nodes
+            .keys()
+            .filter(|n| self.answered_since_stale(n, now))
+            .cloned()
+            .collect();
+        s.kubelet_answered.sort();
         let unhealthy: Vec<(String, Suspect)> = self
             .caches
             .nodes
@@ -116,6 +148,12 @@ impl Runner {
                 Some((n.clone(), self.suspect(&n, info, now)?))
             })
             .collect();
+        // Heartbeats stop for every node at once when podgc itself is cut off, and the
+        // probes' answers then come back one by one: acting on the first to fail would
+        // fence a node before disruption mode can count the rest. So the fast path holds
+        // while the nodes still awaiting a probe could make this a disruption.
+        let hold_fast_path =
+            self.fraction_over(unhealthy.len() + self.awaiting_probe(now), s.nodes);
         let unhealthy_set: HashSet<&str> = unhealthy.iter().map(|(n, _)| n.as_str()).collect();
         self.check_quarantines(&unhealthy_set, &mut s).await;
         self.warned
@@ -126,7 +164,16 @@ impl Runner {
             if now < down.act_at {
                 continue;
             }
-            if matches!(down.why, SuspectBy::Lease(_)) && !self.lease_still_stale(&name).await {
+            if hold_fast_path && matches!(down.why, SuspectBy::Heartbeat(..)) {
+                tracing::info!(node = %name, "down by its heartbeat and kubelet, but other nodes await their probe: acting once they are in");
+                continue;
+            }
+            let still_down = match down.why {
+                SuspectBy::NotReady => true,
+                SuspectBy::Lease(_) => self.still_stale(LeaseKind::Kubelet, &name).await,
+                SuspectBy::Heartbeat(..) => self.still_stale(LeaseKind::Heartbeat, &name).await,
+            };
+            if !still_down {
                 continue;
             }
             if let Err(e) = self.handle_node(&name, &down, &mut s).await {
@@ -146,12 +193,8 @@ impl Runner {
         s: &mut PassSummary,
         now: Timestamp,
     ) -> bool {
-        let fraction = if s.nodes == 0 {
-            0.0
-        } else {
-            unhealthy as f64 / s.nodes as f64
-        };
-        let disruption = fraction > self.cfg.max_unhealthy_fraction;
+        let fraction = fraction(unhealthy, s.nodes);
+        let disruption = self.fraction_over(unhealthy, s.nodes);
         self.metrics.disruption_mode.set(disruption as i64);
         s.disruption_mode = disruption;
         if disruption {
@@ -195,6 +238,11 @@ impl Runner {
         false
     }
 
+    /// Whether `unhealthy` of `nodes` is more than disruption mode lets podgc act under.
+    fn fraction_over(&self, unhealthy: usize, nodes: usize) -> bool {
+        fraction(unhealthy, nodes) > self.cfg.max_unhealthy_fraction
+    }
+
     /// Quarantined nodes: re-stamp after the fences, lift when clean.
     async fn check_quarantines(&mut self, unhealthy: &HashSet<&str>, s: &mut PassSummary) {
         let quarantined: Vec<String> = self
@@ -218,30 +266,39 @@ impl Runner {
         }
     }
 
-    /// A node about to be acted on because its Lease looks stale: read the Lease itself.
-    /// The watch may be behind (it backs off after an API server restart), and a
-    /// renewal it has not delivered yet must not make a live node look dead. Unsure
-    /// (the read fails) counts as not stale: the next pass tries again.
-    async fn lease_still_stale(&mut self, node: &str) -> bool {
+    /// A node about to be acted on because a Lease of `kind` (the kubelet's, or its
+    /// heartbeat) looks stale: read that Lease itself. The watch may be behind (it backs
+    /// off after an API server restart), and a renewal it has not delivered yet must not
+    /// make a live node look dead. Unsure (the read fails) counts as not stale: the next
+    /// pass tries again.
+    pub(super) async fn still_stale(&mut self, kind: LeaseKind, node: &str) -> bool {
+        let (namespace, name) = match kind {
+            LeaseKind::Kubelet => (NODE_LEASE_NAMESPACE.to_string(), node.to_string()),
+            LeaseKind::Heartbeat => match &self.cfg.heartbeat {
+                Some(h) => (h.namespace.clone(), heartbeat_lease_name(node)),
+                None => return false,
+            },
+        };
         match self
             .cluster
-            .api::<Lease>(Some(NODE_LEASE_NAMESPACE))
-            .get_opt(node)
+            .api::<Lease>(Some(&namespace))
+            .get_opt(&name)
             .await
         {
             Ok(Some(fresh)) => {
-                let stale = self.caches.lease_unchanged(&fresh);
+                let stale = self.caches.renewals(kind).unchanged(&fresh);
                 if !stale {
                     tracing::info!(
                         node,
-                        "its Lease was renewed after all (the watch was behind): not acting"
+                        lease = %name,
+                        "the Lease was renewed after all (the watch was behind): not acting"
                     );
                 }
                 stale
             }
             Ok(None) => false,
             Err(e) => {
-                tracing::warn!(node, error = %e, "reading the node's Lease failed: not acting on it this pass");
+                tracing::warn!(node, lease = %name, error = %e, "reading the Lease failed: not acting on the node this pass");
                 false
             }
         }
@@ -261,7 +318,7 @@ impl Runner {
             .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
             .await?
             .items;
-        let why = match down.why {
+        let why = match &down.why {
             SuspectBy::NotReady => format!(
                 "node {node} has been NotReady since {} (longer than the shutdown grace of {}s)",
                 down.since,
@@ -270,6 +327,10 @@ impl Runner {
             SuspectBy::Lease(renewed) => format!(
                 "node {node} has not renewed its Lease since {renewed} (longer than the node lease grace of {}s)",
                 self.cfg.node_lease_grace.unwrap_or_default().as_secs()
+            ),
+            SuspectBy::Heartbeat(renewed, probe) => format!(
+                "node {node}'s node plugin has not renewed its heartbeat since {renewed} (longer than the heartbeat grace of {:?}) and {probe}",
+                self.cfg.heartbeat.as_ref().map(|h| h.grace).unwrap_or_default()
             ),
         };
         let NodePods {

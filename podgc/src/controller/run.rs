@@ -13,7 +13,7 @@ use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
-use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
+use fencecsi_cluster::well_known::{HEARTBEAT_LABEL, NODE_LEASE_NAMESPACE};
 use fencecsi_cluster::{
     Cluster, EventRecorder, LeaderElector, LeaderHandle, WatchParams, WatchStream,
 };
@@ -21,6 +21,7 @@ use futures::StreamExt;
 use tokio::sync::{oneshot, watch};
 
 use super::caches::{Caches, Readiness};
+use super::fast_path::Probes;
 use super::{now, sd, PassSummary, Runner};
 use crate::config::PodGcConfig;
 use crate::http::Liveness;
@@ -152,23 +153,22 @@ impl PodGc {
             None => None,
         };
         let mut w = Watches::open(&cluster, &cfg)?;
+        let (probe_tx, mut probe_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut r = Runner {
             recorder: EventRecorder::new(&cluster, CONTROLLER_NAME, &cfg.identity),
             lease_ref: lease_ref(&cfg),
             cluster,
             cfg: cfg.clone(),
             metrics: self.metrics.clone(),
-            caches: Caches {
-                synced_leases: cfg.node_lease_grace.is_none(),
-                ..Default::default()
-            },
+            caches: Caches::new(cfg.node_lease_grace.is_some(), cfg.heartbeat.is_some()),
+            probes: Probes::new(probe_tx),
             in_disruption: false,
             clocks_restarted: None,
             oos_withheld: Default::default(),
             warned: HashMap::new(),
             seq: 0,
         };
-        tracing::info!(identity = %cfg.identity, shutdown_grace = ?cfg.shutdown_grace, node_lease_grace = ?cfg.node_lease_grace,
+        tracing::info!(identity = %cfg.identity, shutdown_grace = ?cfg.shutdown_grace, node_lease_grace = ?cfg.node_lease_grace, heartbeat = ?cfg.heartbeat,
             max_unhealthy_fraction = cfg.max_unhealthy_fraction, out_of_service_taint = cfg.out_of_service_taint, "podgc starting");
         let mut was_leading = false;
         let far = tokio::time::Instant::now() + Duration::from_secs(3600 * 24 * 365);
@@ -191,6 +191,8 @@ impl PodGc {
                 }
                 Some(ev) = w.nodes.next() => if r.caches.apply_node(ev) { next_pass = next_pass.min(soon) },
                 Some(ev) = w.leases.next() => if r.caches.apply_lease(ev) { next_pass = next_pass.min(soon) },
+                Some(ev) = w.heartbeats.next() => if r.caches.apply_heartbeat(ev) { next_pass = next_pass.min(soon) },
+                Some((node, outcome)) = probe_rx.recv() => if r.note_probe(node, outcome) { next_pass = next_pass.min(soon) },
                 Some(ev) = w.vas.next() => if r.caches.apply_va(ev) { next_pass = next_pass.min(soon) },
                 Some(ev) = w.drivers.next() => if r.caches.apply_driver(ev) { next_pass = next_pass.min(soon) },
                 Some(ev) = w.pods.next() => if r.caches.apply_pod(ev) { next_pass = next_pass.min(soon) },
@@ -270,6 +272,9 @@ impl Runner {
                 consider(floor(l.observed) + sd(g));
             }
         }
+        for t in self.probe_deadlines() {
+            consider(t);
+        }
         next
     }
 }
@@ -294,6 +299,7 @@ fn lease_ref(cfg: &PodGcConfig) -> ObjectReference {
 struct Watches {
     nodes: WatchStream<Node>,
     leases: WatchStream<Lease>,
+    heartbeats: WatchStream<Lease>,
     vas: WatchStream<VolumeAttachment>,
     drivers: WatchStream<CSIDriver>,
     pods: WatchStream<Pod>,
@@ -307,6 +313,13 @@ impl Watches {
                 Some(_) => cluster
                     .api::<Lease>(Some(NODE_LEASE_NAMESPACE))
                     .watch(&WatchParams::default())?,
+                None => futures::stream::pending().boxed(),
+            },
+            heartbeats: match &cfg.heartbeat {
+                Some(h) => cluster.api::<Lease>(Some(&h.namespace)).watch(
+                    &WatchParams::default()
+                        .labels(&format!("{}={}", HEARTBEAT_LABEL.0, HEARTBEAT_LABEL.1)),
+                )?,
                 None => futures::stream::pending().boxed(),
             },
             vas: cluster

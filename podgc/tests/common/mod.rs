@@ -5,6 +5,9 @@
 //! own code, included by `tests/scale.rs` and `benches/scale.rs`.)
 #![allow(dead_code)]
 
+pub mod kubelet_tls;
+pub mod world;
+
 use fencecsi_cluster::k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, Node, PersistentVolume, PersistentVolumeClaim,
     PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod,
