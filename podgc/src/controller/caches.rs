@@ -318,6 +318,7 @@ pub(super) struct Caches {
     pub(super) drivers: HashMap<String, bool>,
     pub(super) synced_nodes: bool,
     pub(super) synced_leases: bool,
+    /// Listed (not needed for a pass: see [`Caches::synced`]).
     pub(super) synced_heartbeats: bool,
     pub(super) synced_vas: bool,
     pub(super) synced_drivers: bool,
@@ -341,12 +342,12 @@ impl Caches {
         }
     }
 
+    /// Whether every watch a pass needs has listed. The heartbeats are not among them: the
+    /// fast path only adds a way to see a node down, and a heartbeat watch that cannot
+    /// list (RBAC from before it, another namespace) must not stop podgc; its errors are
+    /// logged, and the fast path stays off until it lists.
     pub(super) fn synced(&self) -> bool {
-        self.synced_nodes
-            && self.synced_leases
-            && self.synced_heartbeats
-            && self.synced_vas
-            && self.synced_drivers
+        self.synced_nodes && self.synced_leases && self.synced_vas && self.synced_drivers
     }
 
     /// The renewals of `kind`.
@@ -627,8 +628,22 @@ mod tests {
             beat("fencecsi-podgc", "podgc-0"),
         ]));
         assert!(c.synced_heartbeats);
+        assert!(!c.synced(), "nothing else has listed yet");
         let nodes: Vec<&String> = c.heartbeats.iter().map(|(n, _)| n).collect();
         assert_eq!(nodes, vec!["n1"]);
         assert!(c.leases.get("n1").is_none(), "kubelet Leases are apart");
+    }
+
+    /// A pass needs every watch but the heartbeats': one that cannot list (RBAC from before
+    /// the fast path) must not stop podgc.
+    #[test]
+    fn podgc_is_synced_without_the_heartbeats() {
+        let mut c = Caches::new(true, true);
+        c.apply_node(WatchEvent::Listed(vec![]));
+        c.apply_lease(WatchEvent::Listed(vec![]));
+        c.apply_va(WatchEvent::Listed(vec![]));
+        assert!(!c.synced(), "the CSIDrivers have not listed");
+        c.apply_driver(WatchEvent::Listed(vec![]));
+        assert!(c.synced() && !c.synced_heartbeats);
     }
 }
