@@ -50,9 +50,15 @@ macro_rules! require_root {
 }
 
 pub fn init_tracing() {
+    init_tracing_at("warn");
+}
+
+/// Like [`init_tracing`], at `level` unless RUST_LOG says otherwise: for tests
+/// whose expected warnings (a fence per run) would bury a failure's message.
+pub fn init_tracing_at(level: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into()),
         )
         .with_test_writer()
         .try_init();

@@ -35,6 +35,7 @@ use fencecsi_proto::v1::group_controller_client::GroupControllerClient;
 use fencecsi_tests::assert_code;
 use fencecsi_tests::csi::group_controller_service_capability::rpc::Type as GroupRpc;
 use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
+use fencecsi_tests::rig::retry_aborted;
 use fencecsi_tests::rig::{create_request, fresh_driver_binary, from_snapshot, Placement, Rig};
 use fencecsi_tests::{
     block_cap, csi, mount_cap, region_hash, require_root, wait_for_socket, Access, Env, InProcess,
@@ -278,14 +279,20 @@ fn create_req(name: &str, vols: &[&str]) -> csi::CreateVolumeGroupSnapshotReques
     }
 }
 
+/// Creates a group as a CO does: ABORTED (a member busy with another
+/// operation, e.g. garbage collection) is tried again.
 async fn create_group(
     g: &mut GroupControllerClient<Channel>,
     name: &str,
     vols: &[&str],
 ) -> Result<csi::VolumeGroupSnapshot, tonic::Status> {
-    g.create_volume_group_snapshot(create_req(name, vols))
-        .await
-        .map(|r| r.into_inner().group_snapshot.unwrap())
+    retry_aborted(|| {
+        let mut g = g.clone();
+        let req = create_req(name, vols);
+        async move { g.create_volume_group_snapshot(req).await }
+    })
+    .await
+    .map(|r| r.into_inner().group_snapshot.unwrap())
 }
 
 async fn delete_group(g: &mut GroupControllerClient<Channel>, group: &csi::VolumeGroupSnapshot) {
@@ -510,19 +517,24 @@ async fn control_trials(
                 let now = w.done();
                 w.wait_each_past(&now, 3).await;
             }
+            // As a CO does, ABORTED (the volume busy with garbage
+            // collection, say) is tried again.
+            let req = csi::CreateSnapshotRequest {
+                name: format!("{tag}-control-{t}-{i}"),
+                source_volume_id: v.id.clone(),
+                ..Default::default()
+            };
             snaps.push(
-                c.controller
-                    .create_snapshot(csi::CreateSnapshotRequest {
-                        name: format!("{tag}-control-{t}-{i}"),
-                        source_volume_id: v.id.clone(),
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .snapshot
-                    .unwrap()
-                    .snapshot_id,
+                retry_aborted(|| {
+                    let (mut c, req) = (c.clone(), req.clone());
+                    async move { c.controller.create_snapshot(req).await }
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .snapshot
+                .unwrap()
+                .snapshot_id,
             );
         }
         taken.push(snaps);
