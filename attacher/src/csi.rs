@@ -77,6 +77,19 @@ impl Csi {
         Ok(r.name)
     }
 
+    /// Whether the plugin answers Probe and says it is ready (an answer without
+    /// `ready` is ready, as the spec says).
+    pub(crate) async fn ready(&self) -> Result<(), Status> {
+        let mut c = self.client.identity.clone();
+        let r = self
+            .bounded("Probe", c.probe(self.request(ProbeRequest {})))
+            .await?;
+        match r.ready {
+            Some(false) => Err(Status::unavailable("Probe: not ready")),
+            _ => Ok(()),
+        }
+    }
+
     pub(crate) async fn capabilities(&self) -> Result<Capabilities, Status> {
         let mut c = self.client.controller.clone();
         let r = match self

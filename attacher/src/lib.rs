@@ -46,6 +46,7 @@ pub mod config;
 mod csi;
 mod http;
 pub mod metrics;
+mod plugin_wait;
 mod queue;
 mod reconcile;
 mod run;

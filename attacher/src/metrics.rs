@@ -47,6 +47,7 @@ pub struct Metrics {
     fences: Family<ResultLabels, Counter>,
     queue_depth: Gauge,
     active: Gauge,
+    plugin_returns: Counter,
 }
 
 impl Default for Metrics {
@@ -65,6 +66,7 @@ impl Metrics {
         let fences = Family::<ResultLabels, Counter>::default();
         let queue_depth = Gauge::default();
         let active = Gauge::default();
+        let plugin_returns = Counter::default();
         registry.register(
             "operations",
             "CSI attach (ControllerPublishVolume) and detach (ControllerUnpublishVolume) operations by result",
@@ -90,6 +92,11 @@ impl Metrics {
             "1 while this instance is the active (leading) attacher",
             active.clone(),
         );
+        registry.register(
+            "plugin_return_retries",
+            "VolumeAttachments retried at once when the plugin answered again, past the backoff they grew while it was away",
+            plugin_returns.clone(),
+        );
         Metrics {
             registry,
             operations,
@@ -97,6 +104,7 @@ impl Metrics {
             fences,
             queue_depth,
             active,
+            plugin_returns,
         }
     }
 
@@ -113,6 +121,15 @@ impl Metrics {
     pub(crate) fn fence(&self, ok: bool) {
         let result = if ok { SUCCESS } else { ERROR };
         self.fences.get_or_create(&ResultLabels { result }).inc();
+    }
+
+    pub(crate) fn plugin_returned(&self, retried: usize) {
+        self.plugin_returns.inc_by(retried as u64);
+    }
+
+    /// VolumeAttachments retried at once because the plugin answered again.
+    pub fn plugin_return_retries(&self) -> u64 {
+        self.plugin_returns.get()
     }
 
     pub(crate) fn queue_depth_gauge(&self) -> Gauge {
@@ -159,6 +176,7 @@ mod tests {
         m.operation(DETACH, false, Duration::from_millis(3));
         m.fence(true);
         m.set_active(true);
+        m.plugin_returned(2);
         let text = m.encode();
         for needle in [
             "fencecsi_attacher_operations_total{kind=\"attach\",result=\"success\"} 1",
@@ -167,6 +185,7 @@ mod tests {
             "fencecsi_attacher_fences_total{result=\"success\"} 1",
             "fencecsi_attacher_queue_depth 0",
             "fencecsi_attacher_active 1",
+            "fencecsi_attacher_plugin_return_retries_total 2",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }

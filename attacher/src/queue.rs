@@ -6,7 +6,12 @@
 //!   meanwhile marks it dirty, and `done` queues it again;
 //! - `add_after` keeps one timer per key (the earliest); a single task moves due keys in;
 //! - `add_rate_limited` counts consecutive failures per key and delays by the backoff;
-//!   `forget` resets the count after a success.
+//!   `forget` resets the count after a success;
+//! - `add_waiting_for_plugin` does the same for a failure that was the plugin's absence,
+//!   and `plugin_back` queues every such key at once with its count reset: the backoff
+//!   it grew measured the outage, not the object. A key is released so once per outage
+//!   (`plugin_away` starts the next): one that fails so again while the plugin answers
+//!   Probe keeps its backoff.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
@@ -27,6 +32,10 @@ struct Inner {
     waiting: BTreeSet<(Instant, u64, String)>,
     waiting_at: HashMap<String, (Instant, u64)>,
     failures: HashMap<String, u32>,
+    /// Keys whose last failure was the plugin's absence.
+    for_plugin: HashSet<String>,
+    /// Keys `plugin_back` released since the plugin was last seen away.
+    released: HashSet<String>,
     seq: u64,
     shutting_down: bool,
 }
@@ -35,6 +44,7 @@ pub(crate) struct WorkQueue {
     inner: Mutex<Inner>,
     ready: Notify,
     delays: Notify,
+    plugin_wait: Notify,
     backoff: Backoff,
     depth: Option<Gauge>,
 }
@@ -45,6 +55,7 @@ impl WorkQueue {
             inner: Mutex::new(Inner::default()),
             ready: Notify::new(),
             delays: Notify::new(),
+            plugin_wait: Notify::new(),
             backoff,
             depth,
         }
@@ -119,6 +130,73 @@ impl WorkQueue {
         delay
     }
 
+    /// [`Self::add_rate_limited`] for a failure that was the plugin's absence: `key`
+    /// also waits for [`Self::plugin_back`].
+    pub(crate) fn add_waiting_for_plugin(&self, key: &str) -> Duration {
+        let delay = self.add_rate_limited(key);
+        self.lock().for_plugin.insert(key.to_string());
+        self.plugin_wait.notify_one();
+        delay
+    }
+
+    /// Whether a key waits for the plugin.
+    #[cfg(test)]
+    pub(crate) fn waits_for_plugin(&self) -> bool {
+        !self.lock().for_plugin.is_empty()
+    }
+
+    /// Returns once a key waits for the plugin, or the queue shuts down (false).
+    pub(crate) async fn until_waiting_for_plugin(&self) -> bool {
+        loop {
+            let notified = self.plugin_wait.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.lock();
+                if st.shutting_down {
+                    return false;
+                }
+                if !st.for_plugin.is_empty() {
+                    return true;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// The plugin was seen away (a probe failed): keys released before may be released
+    /// again when it answers.
+    pub(crate) fn plugin_away(&self) {
+        self.lock().released.clear();
+    }
+
+    /// The plugin answers: every key waiting for it is queued now, its failure count
+    /// reset, unless it was released since the plugin was last seen away (then it keeps
+    /// its backoff: what fails it is not the plugin's absence). Returns the keys queued.
+    pub(crate) fn plugin_back(&self) -> Vec<String> {
+        let mut st = self.lock();
+        let waiting: Vec<String> = st.for_plugin.drain().collect();
+        let keys: Vec<String> = waiting
+            .into_iter()
+            .filter(|k| !st.released.contains(k))
+            .collect();
+        let mut woke = false;
+        for key in &keys {
+            st.released.insert(key.clone());
+            st.failures.remove(key);
+            if let Some((at, seq)) = st.waiting_at.remove(key) {
+                st.waiting.remove(&(at, seq, key.clone()));
+            }
+            woke |= self.add_locked(&mut st, key);
+        }
+        drop(st);
+        if woke {
+            self.ready.notify_waiters();
+            self.ready.notify_one();
+        }
+        keys
+    }
+
     /// Consecutive failures recorded for `key`.
     #[cfg(test)]
     pub(crate) fn failures(&self, key: &str) -> u32 {
@@ -127,7 +205,10 @@ impl WorkQueue {
 
     /// Resets `key`'s backoff (after a success).
     pub(crate) fn forget(&self, key: &str) {
-        self.lock().failures.remove(key);
+        let mut st = self.lock();
+        st.failures.remove(key);
+        st.for_plugin.remove(key);
+        st.released.remove(key);
     }
 
     /// The next key to process, or `None` once the queue is shut down (keys still queued
@@ -176,6 +257,7 @@ impl WorkQueue {
         self.lock().shutting_down = true;
         self.ready.notify_waiters();
         self.delays.notify_waiters();
+        self.plugin_wait.notify_waiters();
     }
 
     #[cfg(test)]
@@ -305,5 +387,58 @@ mod tests {
         assert_eq!(w.await.unwrap(), None);
         q.add("late");
         assert_eq!(q.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn keys_waiting_for_the_plugin_are_queued_at_once_when_it_is_back() {
+        let hour = Duration::from_secs(3600);
+        let q = Arc::new(WorkQueue::new(
+            Backoff {
+                initial: hour,
+                max: hour,
+            },
+            None,
+        ));
+        let waiter = {
+            let q = q.clone();
+            tokio::spawn(async move { q.until_waiting_for_plugin().await })
+        };
+        assert_eq!(q.add_waiting_for_plugin("gone"), hour);
+        assert!(waiter.await.unwrap(), "woken by the first key");
+        q.add_waiting_for_plugin("gone");
+        // Control: a failure of another kind keeps its backoff.
+        q.add_rate_limited("other");
+        assert!(q.waits_for_plugin());
+        assert_eq!(q.len(), 0);
+        assert_eq!(q.plugin_back(), vec!["gone".to_string()]);
+        assert_eq!(q.len(), 1, "queued now, not in an hour");
+        assert_eq!(q.failures("gone"), 0);
+        assert!(!q.lock().waiting_at.contains_key("gone"));
+        assert!(q.lock().waiting_at.contains_key("other"));
+        assert_eq!(q.failures("other"), 1);
+        assert!(!q.waits_for_plugin());
+        assert_eq!(q.get().await.unwrap(), "gone");
+        q.done("gone");
+        // Failing so again while the plugin answers: released once per outage only.
+        q.add_waiting_for_plugin("gone");
+        assert!(
+            q.plugin_back().is_empty(),
+            "released already in this outage"
+        );
+        assert!(!q.waits_for_plugin());
+        assert!(
+            q.lock().waiting_at.contains_key("gone"),
+            "keeps its backoff"
+        );
+        assert_eq!(q.len(), 0);
+        q.plugin_away();
+        q.add_waiting_for_plugin("gone");
+        assert_eq!(q.plugin_back(), vec!["gone".to_string()], "a new outage");
+        // A success clears the wait too.
+        q.add_waiting_for_plugin("done");
+        q.forget("done");
+        assert!(!q.waits_for_plugin());
+        q.shut_down();
+        assert!(!q.until_waiting_for_plugin().await);
     }
 }

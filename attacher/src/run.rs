@@ -50,6 +50,18 @@ impl Session {
             background.spawn(async move { q.run_delays().await });
         }
         background.spawn(watch_loop(ctx.clone(), queue.clone()));
+        {
+            let csi = ctx.csi.clone();
+            background.spawn(crate::plugin_wait::retry_when_plugin_answers(
+                queue.clone(),
+                ctx.metrics.clone(),
+                crate::plugin_wait::PROBE_INTERVAL,
+                move || {
+                    let csi = csi.clone();
+                    async move { csi.ready().await }
+                },
+            ));
+        }
         background.spawn(resync_loop(ctx.clone(), queue.clone()));
         let mut workers = JoinSet::new();
         for _ in 0..ctx.cfg.workers.max(1) {
@@ -90,8 +102,14 @@ async fn worker(ctx: Arc<Ctx>, queue: Arc<WorkQueue>) {
         match ctx.reconcile(&key).await {
             Ok(()) => queue.forget(&key),
             Err(e) => {
-                let delay = queue.add_rate_limited(&key);
-                tracing::warn!(va = %key, error = %e, retry_in = ?delay, "will retry");
+                // Also retried as soon as the plugin answers again (`plugin_wait`).
+                let plugin_absent = e.plugin_absent();
+                let delay = if plugin_absent {
+                    queue.add_waiting_for_plugin(&key)
+                } else {
+                    queue.add_rate_limited(&key)
+                };
+                tracing::warn!(va = %key, error = %e, retry_in = ?delay, plugin_absent, "will retry");
             }
         }
         queue.done(&key);

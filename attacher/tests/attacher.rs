@@ -16,7 +16,7 @@ use fencecsi_attacher::{
 };
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeSpec, PersistentVolume, Taint};
-use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeError};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::{well_known, Cluster, DeleteOptions, WatchEvent, WatchParams, WatchStream};
 use fencecsi_driver::config::Mode;
@@ -72,6 +72,22 @@ async fn list_volumes_calls(plugin: std::net::SocketAddr) -> u64 {
 }
 
 /// The holder a Lease record names, if any (a released Lease names none).
+/// The attachError recorded on VolumeAttachment `name`, once there is one.
+async fn recorded_attach_error(cluster: &Cluster, name: &str) -> VolumeError {
+    let vas = cluster.api::<VolumeAttachment>(None);
+    eventually(T, &format!("attachError on {name}"), || {
+        let (vas, name) = (vas.clone(), name.to_string());
+        async move {
+            vas.get(&name)
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.attach_error)
+        }
+    })
+    .await
+}
+
 fn holder(l: &LeaseSpec) -> Option<&str> {
     l.holder_identity.as_deref().filter(|h| !h.is_empty())
 }
@@ -549,19 +565,10 @@ async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
     let va2 = va("pv-r2", &h2, "node-a");
     let name2 = va2.metadata.name.clone().unwrap();
     vas.create(&va2).await.unwrap();
-    let err = eventually(T, "attachError while the plugin is down", || {
-        let vas = vas.clone();
-        let name2 = name2.clone();
-        async move {
-            vas.get(&name2)
-                .await
-                .unwrap()
-                .status
-                .and_then(|s| s.attach_error)
-                .and_then(|e| e.message)
-        }
-    })
-    .await;
+    let err = recorded_attach_error(&cluster, &name2)
+        .await
+        .message
+        .unwrap_or_default();
     // Usually UNAVAILABLE (no socket); a call racing the plugin's exit can end otherwise.
     assert!(err.contains("ControllerPublishVolume"), "{err}");
     eprintln!("attachError while the plugin was down: {err}");
@@ -582,6 +589,62 @@ async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
     }
     wait_gone(&cluster, va1.metadata.name.as_deref().unwrap(), T).await;
     wait_gone(&cluster, &name2, T).await;
+    a.shutdown().await.unwrap();
+    plugin.stop().await;
+    env.assert_clean();
+}
+
+/// An attach that failed while the plugin was away is retried once it answers again, not
+/// after the backoff: here an hour, so only that retry can attach it within the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_that_waited_for_the_plugin_is_retried_when_it_answers_not_after_its_backoff() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let cfg_plugin = env.config(Mode::All, Some("node-a"), "all");
+    let cluster = Cluster::embedded();
+    register_node(&cluster, "node-a", true).await;
+    let (plugin, client) = InProcess::start(cfg_plugin.clone()).await;
+    let mut cfg = test_config(&env.socket("all"));
+    let hour = Duration::from_secs(3600);
+    cfg.backoff.initial = hour;
+    cfg.backoff.max = hour;
+    // No resync either: it would queue the object past its backoff.
+    cfg.resync = hour;
+    let mut a = spawn(cluster.clone(), cfg);
+    assert!(a.wait_active(T).await);
+    let handle = create_volume(&client, "pv-w", true).await;
+    cluster
+        .api::<PersistentVolume>(None)
+        .create(&pv("pv-w", &handle, true, "ReadWriteOnce"))
+        .await
+        .unwrap();
+
+    plugin.stop().await;
+    let vas = cluster.api::<VolumeAttachment>(None);
+    let va = va("pv-w", &handle, "node-a");
+    let name = va.metadata.name.clone().unwrap();
+    vas.create(&va).await.unwrap();
+    let code = recorded_attach_error(&cluster, &name).await.error_code;
+    assert_eq!(
+        code.map(tonic::Code::from),
+        Some(tonic::Code::Unavailable),
+        "the failure recorded is the plugin's absence"
+    );
+    assert_eq!(a.metrics().plugin_return_retries(), 0);
+
+    let (plugin, client) = InProcess::start(cfg_plugin).await;
+    let v = wait_attached(&cluster, &name, T).await;
+    assert_eq!(v.status.unwrap().attach_error, None);
+    assert_eq!(published_nodes(&client, &handle).await, vec!["node-a"]);
+    assert_eq!(
+        a.metrics().plugin_return_retries(),
+        1,
+        "retried because the plugin answered again"
+    );
+
+    vas.delete(&name, &DeleteOptions::default()).await.unwrap();
+    wait_gone(&cluster, &name, T).await;
     a.shutdown().await.unwrap();
     plugin.stop().await;
     env.assert_clean();

@@ -65,6 +65,15 @@ impl ReconcileError {
         }
     }
 
+    /// Whether a CSI call failed because the plugin was not there to answer (no socket,
+    /// a plugin that cannot serve yet, or no answer within the call's timeout).
+    pub(crate) fn plugin_absent(&self) -> bool {
+        matches!(
+            self.code(),
+            Some(Code::Unavailable | Code::DeadlineExceeded)
+        )
+    }
+
     /// The gRPC code of a failed CSI call (recorded as the VolumeError's `errorCode`).
     pub(crate) fn code(&self) -> Option<Code> {
         match self {
@@ -83,6 +92,20 @@ fn code_name(c: Code) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plugin_is_absent_when_it_cannot_be_reached_or_does_not_answer() {
+        let publish = |code| ReconcileError::Publish {
+            handle: "vol-1".into(),
+            node_id: "n1".into(),
+            status: tonic::Status::new(code, "x"),
+        };
+        assert!(publish(Code::Unavailable).plugin_absent());
+        assert!(publish(Code::DeadlineExceeded).plugin_absent());
+        assert!(!publish(Code::NotFound).plugin_absent());
+        assert!(!publish(Code::Aborted).plugin_absent());
+        assert!(!ReconcileError::NotActive.plugin_absent());
+    }
 
     // The texts are what status.attachError/detachError and the Events carry: pinned.
     #[test]
