@@ -1406,13 +1406,13 @@ fn only_the_node_plugin_gets_an_api_token_in_the_node_pod() {
 const SIDECARS: &[(&str, &str, &[&str])] = &[
     // cmd/csi-provisioner/csi-provisioner.go at v6.3.0 (common flags from csi-lib-utils
     // v0.24 standardflags since v6.0).
-    ("registry.k8s.io/sig-storage/csi-provisioner", "v6.3.0", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "extra-create-metadata", "default-fstype", "worker-threads", "http-endpoint", "metrics-path", "strict-topology", "immediate-topology", "retry-interval-start", "retry-interval-max", "enable-capacity", "capacity-ownerref-level", "capacity-poll-interval", "snapshot-orphan-sweep-interval"]),
+    ("registry.k8s.io/sig-storage/csi-provisioner", "v6.3.0", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "leader-election-lease-duration", "leader-election-renew-deadline", "leader-election-retry-period", "timeout", "v", "extra-create-metadata", "default-fstype", "worker-threads", "http-endpoint", "metrics-path", "strict-topology", "immediate-topology", "retry-interval-start", "retry-interval-max", "enable-capacity", "capacity-ownerref-level", "capacity-poll-interval", "snapshot-orphan-sweep-interval"]),
     // cmd/csi-resizer/main.go at v2.2.1.
-    ("registry.k8s.io/sig-storage/csi-resizer", "v2.2.1", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "timeout", "v", "workers", "http-endpoint", "metrics-path", "handle-volume-inuse-error", "extra-modify-metadata", "retry-interval-start", "retry-interval-max"]),
+    ("registry.k8s.io/sig-storage/csi-resizer", "v2.2.1", &["csi-address", "feature-gates", "leader-election", "leader-election-namespace", "leader-election-lease-duration", "leader-election-renew-deadline", "leader-election-retry-period", "timeout", "v", "workers", "http-endpoint", "metrics-path", "handle-volume-inuse-error", "extra-modify-metadata", "retry-interval-start", "retry-interval-max"]),
     // cmd/csi-snapshotter/main.go at v8.6.0.
-    ("registry.k8s.io/sig-storage/csi-snapshotter", "v8.6.0", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "worker-threads", "http-endpoint", "metrics-path", "extra-create-metadata", "retry-interval-start", "retry-interval-max"]),
+    ("registry.k8s.io/sig-storage/csi-snapshotter", "v8.6.0", &["csi-address", "leader-election", "leader-election-namespace", "leader-election-lease-duration", "leader-election-renew-deadline", "leader-election-retry-period", "timeout", "v", "worker-threads", "http-endpoint", "metrics-path", "extra-create-metadata", "retry-interval-start", "retry-interval-max"]),
     // cmd/csi-external-health-monitor-controller/main.go at v0.18.0 (no --feature-gates).
-    ("registry.k8s.io/sig-storage/csi-external-health-monitor-controller", "v0.18.0", &["csi-address", "leader-election", "leader-election-namespace", "timeout", "v", "worker-threads", "http-endpoint", "metrics-path", "monitor-interval", "list-volumes-interval", "volume-list-add-interval", "enable-node-watcher"]),
+    ("registry.k8s.io/sig-storage/csi-external-health-monitor-controller", "v0.18.0", &["csi-address", "leader-election", "leader-election-namespace", "leader-election-lease-duration", "leader-election-renew-deadline", "leader-election-retry-period", "timeout", "v", "worker-threads", "http-endpoint", "metrics-path", "monitor-interval", "list-volumes-interval", "volume-list-add-interval", "enable-node-watcher"]),
     // cmd/livenessprobe/main.go at v2.19.0.
     ("registry.k8s.io/sig-storage/livenessprobe", "v2.19.0", &["csi-address", "http-endpoint", "probe-timeout", "metrics-path", "v"]),
     // cmd/csi-node-driver-registrar/main.go at v2.17.0.
@@ -1585,6 +1585,37 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
         assert!(
             matches!(v.as_deref(), Some("") | Some("true")),
             "{name} must run --leader-election"
+        );
+    }
+    // The Go sidecars' elections move off a failed pod within the controller's 20 s bound:
+    // a candidate sees the leader's last renewal up to one poll (retry period, jittered by
+    // up to 1.2x) late, waits the Lease out, then takes it at its next poll.
+    for name in [
+        "csi-provisioner",
+        "csi-resizer",
+        "csi-snapshotter",
+        "csi-health-monitor",
+    ] {
+        let secs = |f: &str| {
+            let v = flag(container(&pod, name), f)
+                .unwrap_or_else(|| panic!("{name}: --{f} must be set (the default is too slow)"));
+            v.strip_suffix('s')
+                .and_then(|n| n.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{name}: --{f}={v} is not whole seconds"))
+        };
+        let (lease, renew, retry) = (
+            secs("leader-election-lease-duration"),
+            secs("leader-election-renew-deadline"),
+            secs("leader-election-retry-period"),
+        );
+        assert!(
+            retry < renew && renew < lease,
+            "{name}: the election needs retry < renew deadline < lease"
+        );
+        let worst = lease + 2.0 * 1.2 * retry;
+        assert!(
+            worst <= 20.0,
+            "{name}: its election may take {worst} s to move, over the controller's 20 s bound"
         );
     }
     assert!(

@@ -151,7 +151,8 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
         .map(|f| {
             let leader = f
                 .fault_to_new_leader_s
-                .map(|s| format!(" (controller {s:.1})"))
+                .zip(f.fault_to_controller_s)
+                .map(|(p, all)| format!(" (plugin's Lease {p:.1}, every election {all:.1})"))
                 .unwrap_or_default();
             format!("{} {:.1}{leader}", f.fault, f.fault_to_running_s)
         })

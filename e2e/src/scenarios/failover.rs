@@ -74,6 +74,9 @@ pub struct Figures {
     /// Fault → another controller pod took the plugin's Lease, when the leading controller
     /// ran on the failed node.
     pub fault_to_new_leader_s: Option<f64>,
+    /// Fault → the last of the elections the failed controller pod led was taken by
+    /// another pod (checked against `leader::CONTROLLER_BOUND_S`).
+    pub fault_to_controller_s: Option<f64>,
 }
 
 impl Figures {
@@ -87,6 +90,7 @@ impl Figures {
             "acked_by_old_pod": self.acked_by_old_pod,
             "old_writes_failed_after_fence": self.old_writes_failed_after_fence,
             "fault_to_new_leader_s": self.fault_to_new_leader_s,
+            "fault_to_controller_s": self.fault_to_controller_s,
         })
     }
 }
@@ -153,12 +157,17 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
     let controller = super::install::controller_node(c)?;
     let leader_fails = controller == before.node;
     let leader_pod = super::install::controller_pod(c)?;
-    if leader_fails {
+    let led = if leader_fails {
+        let led = super::leader::leases_held_by(c, &leader_pod)?;
         say(format!(
-            "{}: the leading controller {leader_pod} runs on the failing node too",
-            fault.name()
+            "{}: the leading controller {leader_pod} runs on the failing node too, leading {}",
+            fault.name(),
+            led.join(", ")
         ));
-    }
+        led
+    } else {
+        Vec::new()
+    };
     say(format!(
         "{what}: {} fails while writer {} writes to volume {} generation {}",
         before.node, before.uid, before.handle, before.generation
@@ -169,6 +178,9 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
     let seen = watch_failover(c, &before, fault_at)?;
     let takeover = leader_fails
         .then(|| super::leader::new_leader(c, &leader_pod, fault_nanos))
+        .transpose()?;
+    let controller_s = leader_fails
+        .then(|| super::leader::elections_moved_within_bound(c, &led, &leader_pod, fault_nanos))
         .transpose()?;
     let fence_nanos = seen.fence_nanos;
     let fault_to_fence_s = (fence_nanos - fault_nanos) as f64 / 1e9;
@@ -222,6 +234,7 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
             .count(),
         old_writes_failed_after_fence: failed_after_fence,
         fault_to_new_leader_s: takeover.map(|t| t.fault_to_leader_s),
+        fault_to_controller_s: controller_s,
     })
 }
 

@@ -114,6 +114,74 @@ pub fn new_leader(c: &Cluster, old: &str, fault_nanos: i64) -> Result<Takeover> 
     })
 }
 
+/// The bound on the controller's own failover: fault → every election the failed
+/// pod led (the plugin's, the attacher's, podgc's, each sidecar's) led from another pod.
+pub const CONTROLLER_BOUND_S: f64 = 20.0;
+
+/// The Leases in the namespace whose holder is `pod` (the elections its containers lead),
+/// by name.
+pub fn leases_held_by(c: &Cluster, pod: &str) -> Result<Vec<String>> {
+    let leases = c.kubectl.items(&["lease", "-n", NAMESPACE])?;
+    let mut held = Vec::new();
+    for l in &leases {
+        let holder = l["spec"]["holderIdentity"].as_str().unwrap_or("");
+        let name = l["metadata"]["name"].as_str().unwrap_or("");
+        // Sidecars may suffix the pod name (hostname) with more.
+        if !holder.is_empty() && holder.starts_with(pod) {
+            held.push(name.to_string());
+        }
+    }
+    Ok(held)
+}
+
+/// Waits (bounded) until every one of `leases` is held by a pod other than `old`, and
+/// checks each was taken within [`CONTROLLER_BOUND_S`] of the fault: its `acquireTime`,
+/// recorded by the new holder, against `fault_nanos` on the wall clock. The worst.
+pub fn elections_moved_within_bound(
+    c: &Cluster,
+    leases: &[String],
+    old: &str,
+    fault_nanos: i64,
+) -> Result<f64> {
+    let mut taken = Vec::new();
+    for lease in leases {
+        let acquired = wait::until_explained(
+            &format!("Lease {lease} to move off {old}"),
+            Duration::from_secs(180),
+            Duration::from_millis(500),
+            || {
+                let l = c.kubectl.get(&["lease", "-n", NAMESPACE, lease])?;
+                let holder = l["spec"]["holderIdentity"].as_str().unwrap_or("");
+                Ok(match l["spec"]["acquireTime"].as_str() {
+                    Some(at) if !holder.is_empty() && !holder.starts_with(old) => {
+                        Ok(at.to_string())
+                    }
+                    _ => Err(format!("held by {holder:?}")),
+                })
+            },
+        )?;
+        let at = acquired
+            .parse::<fencecsi_cluster::k8s_openapi::jiff::Timestamp>()
+            .with_context(|| format!("Lease {lease}'s acquireTime {acquired:?}"))?;
+        taken.push((
+            lease.clone(),
+            (at.as_nanosecond() as i64 - fault_nanos) as f64 / 1e9,
+        ));
+    }
+    let listed: Vec<String> = taken.iter().map(|(l, s)| format!("{l} {s:.1} s")).collect();
+    say(format!(
+        "controller: elections led from another pod after the fault: {}",
+        listed.join(", ")
+    ));
+    let worst = taken.iter().map(|(_, s)| *s).fold(0.0, f64::max);
+    ensure!(
+        worst <= CONTROLLER_BOUND_S,
+        "the controller's failover took {worst:.1} s, over its bound of {CONTROLLER_BOUND_S} s: {}",
+        listed.join(", ")
+    );
+    Ok(worst)
+}
+
 /// Once the failed node is back: the new leader still leads and owns the generation it
 /// took, so the former leader did nothing with the state dir when it ran again.
 pub fn former_leader_did_nothing(c: &Cluster, t: &Takeover, state_dir: &Path) -> Result<()> {
