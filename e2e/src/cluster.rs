@@ -1,4 +1,4 @@
-//! The whole cluster: run directory, PKI, bridge, control plane, three nodes, images, and
+//! The whole cluster: run directory, PKI, bridge, control plane, four nodes, images, and
 //! the shipped deployment (`kubectl apply -k deploy/base`, unchanged).
 
 use std::path::{Path, PathBuf};
@@ -14,7 +14,9 @@ use crate::node::{self, Node, NodeEnv, NodeSpec};
 use crate::teardown::{Made, Teardown};
 use crate::{certs, network, say, state_fs, wait};
 
-pub const NODE_COUNT: usize = 3;
+/// Four, so that two nodes can fail at once (the leading controller's and a writer's)
+/// without reaching podgc's disruption threshold (`--max-unhealthy-fraction`, 0.55).
+pub const NODE_COUNT: usize = 4;
 
 /// Size of the state directory's own filesystem (a sparse image: only what is written
 /// takes disk space); room for the upstream suite's volume-limit spec, 64 volumes on a node.
@@ -140,9 +142,9 @@ pub fn bring_up(inputs: &Inputs, td: &Teardown) -> Result<Cluster> {
     Ok(cluster)
 }
 
-/// Three nodes each hold every image twice (content store and unpacked snapshots):
-/// about 3 GiB with the fencecsi image and the six sidecars.
-const NEEDED_FREE_BYTES: u64 = 4 << 30;
+/// Four nodes each hold every image twice (content store and unpacked snapshots):
+/// about 4 GiB with the fencecsi image and the six sidecars.
+const NEEDED_FREE_BYTES: u64 = 5 << 30;
 
 fn check_free_space(dir: &Path) -> Result<()> {
     let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())?;

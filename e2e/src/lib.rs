@@ -1,7 +1,7 @@
 //! The shipped deployment on real kubelets, on one machine.
 //!
 //! `tests/real_kubelets.rs` brings up etcd, kube-apiserver, kube-controller-manager and
-//! kube-scheduler on the host, three nodes (each its own mount, UTS, network and PID namespace,
+//! kube-scheduler on the host, four nodes (each its own mount, UTS, network and PID namespace,
 //! its own cgroup, containerd and kubelet) on a bridge this crate makes, imports the images,
 //! runs `kubectl apply -k deploy/base` unchanged, and then the failover scenarios.
 //! Everything it makes is recorded in a [`teardown::Teardown`] as it is made and undone in

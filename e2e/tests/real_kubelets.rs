@@ -9,7 +9,8 @@ use anyhow::{Context, Result};
 use fencecsi_e2e::cluster::{self, Cluster};
 use fencecsi_e2e::scenarios::day2::{self, Operation};
 use fencecsi_e2e::scenarios::failover::{self, Fault};
-use fencecsi_e2e::scenarios::{expansion, install, leader, least_privilege, snapshot, writer};
+use fencecsi_e2e::scenarios::writer::{self, Writer};
+use fencecsi_e2e::scenarios::{expansion, install, leader, least_privilege, snapshot};
 use fencecsi_e2e::teardown::Teardown;
 use fencecsi_e2e::{inputs, say};
 
@@ -51,8 +52,9 @@ fn run(inputs: &inputs::Inputs, td: &Teardown) -> Result<()> {
 /// The faults to run, in order: `FENCECSI_E2E_FAULTS`, a comma-separated list of
 /// `partition`, `power-off` and `hang` (the writer's node fails, the leading controller runs
 /// elsewhere) and `controller-partition`, `controller-power-off` and `controller-hang` (the
-/// writer is moved onto the leading controller's node, which fails); repeat one to measure
-/// it several times. Each: the fault, and whether it hits the leader's node.
+/// writer is moved onto the leading controller's node, which fails, and a second writer's
+/// node, with no controller pod, fails a few seconds later, while the controller fails
+/// over); repeat one to measure it several times. Each: the fault, and whether it hits the leader's node.
 fn faults() -> Result<Vec<(Fault, bool)>> {
     let spec = std::env::var("FENCECSI_E2E_FAULTS").unwrap_or_else(|_| DEFAULT_FAULTS.into());
     spec.split(',')
@@ -95,10 +97,14 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
     say(format!(
         "writer: StatefulSet on fencecsi-ext4, off the controller's node {controller}"
     ));
-    c.kubectl
-        .apply_text(&writer::manifest("fencecsi-ext4", &controller, &prefer))?;
+    c.kubectl.apply_text(&writer::manifest(
+        Writer::FIRST,
+        "fencecsi-ext4",
+        &[&controller],
+        &prefer,
+    ))?;
     let t = std::time::Instant::now();
-    failover::wait_writing(c, 1, Duration::from_secs(180))?;
+    writer::wait_writing(c, Writer::FIRST, 1, Duration::from_secs(180))?;
     say(format!(
         "provisioning: claim bound, volume attached and the writer writing {:.1} s after apply",
         t.elapsed().as_secs_f64()
@@ -121,6 +127,37 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
             day2::undisturbed(c, op, td)?;
         }
     }
+    let figures = fail_over_each(c, &faults, td)?;
+    let secs: Vec<String> = figures
+        .iter()
+        .map(|f| {
+            let leader = f
+                .fault_to_new_leader_s
+                .zip(f.fault_to_controller_s)
+                .map(|(p, all)| format!(" (plugin's Lease {p:.1}, every election {all:.1})"))
+                .unwrap_or_default();
+            format!(
+                "{} ({}) {:.1}{leader}",
+                f.fault, f.writer, f.fault_to_running_s
+            )
+        })
+        .collect();
+    say(format!(
+        "fault → writer Running on another node, seconds: {}",
+        secs.join(", ")
+    ));
+    // A last look: every node is still Ready.
+    let names: Vec<String> = c.nodes.iter().map(|n| n.spec.name.clone()).collect();
+    c.wait_nodes_ready(&names, Duration::from_secs(60))?;
+    Ok(())
+}
+
+/// Each fault in turn, with the writers it takes placed first; every writer's figures.
+fn fail_over_each(
+    c: &mut Cluster,
+    faults: &[(Fault, bool)],
+    td: &Teardown,
+) -> Result<Vec<failover::Figures>> {
     let mut figures = Vec::new();
     for (i, (fault, on_leader)) in faults.iter().enumerate() {
         let place = if *on_leader {
@@ -134,35 +171,23 @@ fn scenarios(c: &mut Cluster, td: &Teardown) -> Result<()> {
             faults.len(),
             fault.name()
         ));
-        if *on_leader {
+        let writers = if *on_leader {
             leader::place_writer_on_leader(c, "fencecsi-ext4")?;
-        } else if failover::wait_writing(c, 1, Duration::from_secs(180))?.1
-            == install::controller_node(c)?
-        {
-            leader::place_writer_off_leader(c, "fencecsi-ext4")?;
+            leader::place_second_writer(c, "fencecsi-ext4")?;
+            vec![Writer::FIRST, Writer::SECOND]
+        } else {
+            if writer::wait_writing(c, Writer::FIRST, 1, Duration::from_secs(180))?.1
+                == install::controller_node(c)?
+            {
+                leader::place_writer_off_leader(c, "fencecsi-ext4")?;
+            }
+            vec![Writer::FIRST]
+        };
+        for f in failover::fail_over_and_return(c, *fault, &writers, td)? {
+            say(format!("figures: {}", f.json()));
+            fencecsi_e2e::record_result(c, "results.jsonl", &f.json().to_string())?;
+            figures.push(f);
         }
-        let f = failover::fail_over_and_return(c, *fault, td)?;
-        say(format!("figures: {}", f.json()));
-        fencecsi_e2e::record_result(c, "results.jsonl", &f.json().to_string())?;
-        figures.push(f);
     }
-    let secs: Vec<String> = figures
-        .iter()
-        .map(|f| {
-            let leader = f
-                .fault_to_new_leader_s
-                .zip(f.fault_to_controller_s)
-                .map(|(p, all)| format!(" (plugin's Lease {p:.1}, every election {all:.1})"))
-                .unwrap_or_default();
-            format!("{} {:.1}{leader}", f.fault, f.fault_to_running_s)
-        })
-        .collect();
-    say(format!(
-        "fault → writer Running on another node, seconds: {}",
-        secs.join(", ")
-    ));
-    // A last look: every node is still Ready.
-    let names: Vec<String> = c.nodes.iter().map(|n| n.spec.name.clone()).collect();
-    c.wait_nodes_ready(&names, Duration::from_secs(60))?;
-    Ok(())
+    Ok(figures)
 }

@@ -7,9 +7,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{ensure, Context, Result};
 
-use super::failover::wait_writing;
 use super::install::NAMESPACE;
-use super::writer::{self, Event};
+use super::writer::{self, wait_writing, Event, Writer};
 use super::{evidence, install};
 use crate::cluster::Cluster;
 use crate::teardown::Teardown;
@@ -47,8 +46,8 @@ fn now_nanos() -> i64 {
 
 /// Runs `op` and checks the writer went on undisturbed.
 pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> {
-    let (uid, node_name) = wait_writing(c, 3, Duration::from_secs(120))?;
-    let handle = writer::volume_handle(c)?;
+    let (uid, node_name) = wait_writing(c, Writer::FIRST, 3, Duration::from_secs(120))?;
+    let handle = writer::volume_handle(c, Writer::FIRST)?;
     let rec = evidence::volume_record(&c.state_dir, &handle)?;
     let generation = evidence::current_generation(&rec).context("no generation")?;
     let start = now_nanos();
@@ -63,13 +62,14 @@ pub fn undisturbed(c: &mut Cluster, op: Operation, td: &Teardown) -> Result<()> 
     }
     // Ten more records (two seconds of writing) after the operation, then the checks.
     let log_dir = c.node(&node_name)?.spec.log_dir();
-    let acked = writer::last_ack(&writer::events(&log_dir, &uid)?).unwrap_or(0);
-    let (uid_after, node_after) = wait_writing(c, acked + 10, Duration::from_secs(120))?;
+    let acked = writer::last_ack(&writer::events(Writer::FIRST, &log_dir, &uid)?).unwrap_or(0);
+    let (uid_after, node_after) =
+        wait_writing(c, Writer::FIRST, acked + 10, Duration::from_secs(120))?;
     ensure!(
         uid_after == uid && node_after == node_name,
         "the writer moved: {uid}@{node_name} -> {uid_after}@{node_after}"
     );
-    let failures: Vec<Event> = writer::events(&log_dir, &uid)?
+    let failures: Vec<Event> = writer::events(Writer::FIRST, &log_dir, &uid)?
         .into_iter()
         .filter(|e| matches!(e, Event::Fail { at_nanos, .. } if *at_nanos >= start))
         .collect();
@@ -94,7 +94,7 @@ fn check_not_restarted_nor_fenced(
     generation: u64,
     op: Operation,
 ) -> Result<()> {
-    let p = writer::pod(c)?.context("writer gone")?;
+    let p = writer::pod(c, Writer::FIRST)?.context("writer gone")?;
     let restarts = p["status"]["containerStatuses"][0]["restartCount"]
         .as_u64()
         .unwrap_or(0);

@@ -5,13 +5,17 @@
 //! record, that the old pod's writes fail after the fence (where it still runs), that no
 //! byte reaches the fenced generation, and, once the node is back, that it is cleaned,
 //! un-quarantined and schedulable again.
+//!
+//! Several writers may fail over at once, each on its own node, the later nodes failing a
+//! few seconds after the first: with the first on the leading controller's node, the later
+//! ones fail while the controller itself fails over, and are checked the same way.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure, Context, Result};
 
 use super::evidence;
-use super::writer::{self, Event};
+use super::writer::{self, Event, Writer};
 use crate::cluster::Cluster;
 use crate::kubectl::{condition_true, taint_keys};
 use crate::teardown::Teardown;
@@ -55,10 +59,12 @@ impl Fault {
     }
 }
 
-/// What one failover measured.
+/// What one writer's failover measured.
 #[derive(Debug, Clone)]
 pub struct Figures {
     pub fault: &'static str,
+    /// The writer StatefulSet that failed over.
+    pub writer: &'static str,
     pub node: String,
     pub to_node: String,
     /// Fault → the fence was recorded (from the generation's `fenced_at`).
@@ -77,12 +83,16 @@ pub struct Figures {
     /// Fault → the last of the elections the failed controller pod led was taken by
     /// another pod (checked against `leader::CONTROLLER_BOUND_S`).
     pub fault_to_controller_s: Option<f64>,
+    /// For a writer whose node failed while the controller failed over: its fault → the
+    /// new leader's `acquireTime` (positive: the controller was still failing over).
+    pub own_fault_to_new_leader_s: Option<f64>,
 }
 
 impl Figures {
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({
-            "fault": self.fault, "node": self.node, "to_node": self.to_node,
+            "fault": self.fault, "writer": self.writer,
+            "node": self.node, "to_node": self.to_node,
             "fault_to_fence_s": self.fault_to_fence_s,
             "fault_to_running_s": self.fault_to_running_s,
             "fault_to_ready_s": self.fault_to_ready_s,
@@ -91,6 +101,7 @@ impl Figures {
             "old_writes_failed_after_fence": self.old_writes_failed_after_fence,
             "fault_to_new_leader_s": self.fault_to_new_leader_s,
             "fault_to_controller_s": self.fault_to_controller_s,
+            "own_fault_to_new_leader_s": self.own_fault_to_new_leader_s,
         })
     }
 }
@@ -102,101 +113,183 @@ fn now_nanos() -> i64 {
         .unwrap_or(0)
 }
 
-/// The writer as it was before the fault.
+/// A writer as it was before the fault.
 struct Before {
+    w: Writer,
     uid: String,
     node: String,
     handle: String,
     generation: u64,
 }
 
-/// Waits until the writer pod is Ready and has acknowledged at least `min_acks` records.
-pub fn wait_writing(c: &Cluster, min_acks: u64, limit: Duration) -> Result<(String, String)> {
-    wait::until_explained(
-        "the writer to be Ready and writing",
-        limit,
-        Duration::from_secs(1),
-        || {
-            let Some(p) = writer::pod(c)? else {
-                return Ok(Err("no writer pod".into()));
-            };
-            let (uid, node, running, ready) = writer::pod_place(&p);
-            if !(running && ready) {
-                return Ok(Err(format!(
-                    "writer on {node:?} running={running} ready={ready}"
-                )));
-            }
-            let n = c.node(&node)?;
-            let acks = writer::events(&n.spec.log_dir(), &uid)
-                .map(|e| writer::last_ack(&e).unwrap_or(0))
-                .unwrap_or(0);
-            Ok(if acks >= min_acks {
-                Ok((uid, node))
-            } else {
-                Err(format!("{acks} records acknowledged on {node}"))
-            })
-        },
-    )
+/// A writer whose node failed: what it was, and when its node failed (wall clock, and
+/// monotonic for the figures).
+struct Failing {
+    before: Before,
+    fault_nanos: i64,
+    fault_at: Instant,
 }
 
-/// One failover by `fault` and the node's return.
-pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Result<Figures> {
-    let (uid, node) = wait_writing(c, 10, Duration::from_secs(180))?;
-    let handle = writer::volume_handle(c)?;
+/// How long after the first node's fault the next writer's node fails: well inside the
+/// controller's failover (the plugin's Lease runs 15 s), and checked to be so.
+const NEXT_FAULT_AFTER: Duration = Duration::from_secs(3);
+
+fn before_fault(c: &Cluster, w: Writer) -> Result<Before> {
+    let (uid, node) = writer::wait_writing(c, w, 10, Duration::from_secs(180))?;
+    let handle = writer::volume_handle(c, w)?;
     let rec = evidence::volume_record(&c.state_dir, &handle)?;
     let generation = evidence::current_generation(&rec).context("no current generation")?;
-    let before = Before {
+    Ok(Before {
+        w,
         uid,
         node,
         handle,
         generation,
-    };
-    let what = fault.name();
-    // The writer's node fails; the leading controller may run there too (the standby then
-    // takes over: a frozen leader through its kill switch), which is said here.
-    let controller = super::install::controller_node(c)?;
-    let leader_fails = controller == before.node;
-    let leader_pod = super::install::controller_pod(c)?;
-    let led = if leader_fails {
-        let led = super::leader::leases_held_by(c, &leader_pod)?;
-        say(format!(
-            "{}: the leading controller {leader_pod} runs on the failing node too, leading {}",
-            fault.name(),
-            led.join(", ")
-        ));
-        led
-    } else {
-        Vec::new()
-    };
-    say(format!(
-        "{what}: {} fails while writer {} writes to volume {} generation {}",
-        before.node, before.uid, before.handle, before.generation
-    ));
-    let fault_nanos = now_nanos();
-    let fault_at = Instant::now();
-    fault.inject(c, &before.node)?;
-    let seen = watch_failover(c, &before, fault_at)?;
-    let takeover = leader_fails
-        .then(|| super::leader::new_leader(c, &leader_pod, fault_nanos))
-        .transpose()?;
-    let controller_s = leader_fails
-        .then(|| super::leader::elections_moved_within_bound(c, &led, &leader_pod, fault_nanos))
-        .transpose()?;
-    let fence_nanos = seen.fence_nanos;
-    let fault_to_fence_s = (fence_nanos - fault_nanos) as f64 / 1e9;
-    say(format!(
-        "{what}: fence {fault_to_fence_s:.1} s, Running on {} {:.1} s, Ready {:.1} s after the fault",
-        seen.to_node, seen.running_s, seen.ready_s
-    ));
-    if fault == Fault::Hang {
-        cgroups::thaw(&c.node(&before.node)?.spec.cgroup)?;
-        say(format!("{what}: {} thawed", before.node));
+    })
+}
+
+/// The leading controller pod and the elections it leads, when it runs on `node`.
+fn leader_on(c: &Cluster, node: &str, fault: Fault) -> Result<Option<(String, Vec<String>)>> {
+    if super::install::controller_node(c)? != node {
+        return Ok(None);
     }
-    let old_log = c.node(&before.node)?.spec.log_dir();
+    let pod = super::install::controller_pod(c)?;
+    let led = super::leader::leases_held_by(c, &pod)?;
+    say(format!(
+        "{}: the leading controller {pod} runs on the failing node too, leading {}",
+        fault.name(),
+        led.join(", ")
+    ));
+    Ok(Some((pod, led)))
+}
+
+/// Fails each writer's node by `fault`, in order, the later ones [`NEXT_FAULT_AFTER`] after
+/// the one before (so while the controller fails over, when the first node is its leader's),
+/// then checks each failover and brings the nodes back. One [`Figures`] per writer.
+pub fn fail_over_and_return(
+    c: &mut Cluster,
+    fault: Fault,
+    writers: &[Writer],
+    td: &Teardown,
+) -> Result<Vec<Figures>> {
+    let befores = writers
+        .iter()
+        .map(|w| before_fault(c, *w))
+        .collect::<Result<Vec<_>>>()?;
+    let first = befores.first().context("no writer to fail over")?;
+    let nodes: std::collections::BTreeSet<&str> = befores.iter().map(|b| b.node.as_str()).collect();
+    ensure!(
+        nodes.len() == befores.len(),
+        "the writers must each be on their own node: {nodes:?}"
+    );
+    let leader = leader_on(c, &first.node, fault)?;
+    let failing = inject_in_turn(c, fault, befores)?;
+    let seen = watch_failovers(c, &failing)?;
+    let fault_nanos = failing[0].fault_nanos;
+    let takeover = leader
+        .as_ref()
+        .map(|(pod, _)| super::leader::new_leader(c, pod, fault_nanos))
+        .transpose()?;
+    let controller_s = leader
+        .as_ref()
+        .map(|(pod, led)| super::leader::elections_moved_within_bound(c, led, pod, fault_nanos))
+        .transpose()?;
+    if let Some(t) = &takeover {
+        during_controller_failover(t, &failing[1..])?;
+    }
+    if fault == Fault::Hang {
+        for f in &failing {
+            cgroups::thaw(&c.node(&f.before.node)?.spec.cgroup)?;
+            say(format!("{}: {} thawed", fault.name(), f.before.node));
+        }
+    }
+    let mut figures = Vec::new();
+    for (i, (f, s)) in failing.iter().zip(&seen).enumerate() {
+        let mut fig = check_failover(c, fault, f, s)?;
+        if let Some(t) = &takeover {
+            fig.fault_to_new_leader_s = Some(t.fault_to_leader_s);
+            fig.fault_to_controller_s = controller_s;
+            if i > 0 {
+                fig.own_fault_to_new_leader_s =
+                    Some((t.acquired_nanos - f.fault_nanos) as f64 / 1e9);
+            }
+        }
+        figures.push(fig);
+    }
+    return_nodes(c, fault, &failing, &mut figures, td)?;
+    if let Some(t) = &takeover {
+        super::leader::former_leader_did_nothing(c, t, &c.state_dir)?;
+    }
+    Ok(figures)
+}
+
+/// Fails each writer's node in turn.
+fn inject_in_turn(c: &Cluster, fault: Fault, befores: Vec<Before>) -> Result<Vec<Failing>> {
+    let mut failing = Vec::new();
+    for b in befores {
+        if !failing.is_empty() {
+            std::thread::sleep(NEXT_FAULT_AFTER);
+        }
+        say(format!(
+            "{}: {} fails while {} {} writes to volume {} generation {}",
+            fault.name(),
+            b.node,
+            b.w.pod,
+            b.uid,
+            b.handle,
+            b.generation
+        ));
+        let fault_nanos = now_nanos();
+        let fault_at = Instant::now();
+        fault.inject(c, &b.node)?;
+        failing.push(Failing {
+            before: b,
+            fault_nanos,
+            fault_at,
+        });
+    }
+    Ok(failing)
+}
+
+/// The later nodes failed before the new leader took over (its Lease's `acquireTime`), so
+/// their failovers did wait for the controller's.
+fn during_controller_failover(t: &super::leader::Takeover, later: &[Failing]) -> Result<()> {
+    for f in later {
+        ensure!(
+            f.fault_nanos < t.acquired_nanos,
+            "{} failed {:.1} s after the new leader took over: not during the controller's failover",
+            f.before.node,
+            (f.fault_nanos - t.acquired_nanos) as f64 / 1e9
+        );
+        say(format!(
+            "{} failed {:.1} s before the new leader took over",
+            f.before.node,
+            (t.acquired_nanos - f.fault_nanos) as f64 / 1e9
+        ));
+    }
+    Ok(())
+}
+
+/// One writer's failover, once its new pod is Ready: the old pod's writes failed (where it
+/// still runs), nothing it acknowledged is lost, its generation is untouched since the
+/// fence and was fenced once. Its figures, but for the node's return.
+fn check_failover(c: &Cluster, fault: Fault, f: &Failing, seen: &Seen) -> Result<Figures> {
+    let b = &f.before;
+    let fence_nanos = seen.fence_nanos;
+    let fault_to_fence_s = (fence_nanos - f.fault_nanos) as f64 / 1e9;
+    say(format!(
+        "{}: {} fenced {fault_to_fence_s:.1} s, Running on {} {:.1} s, Ready {:.1} s after its node's fault",
+        fault.name(),
+        b.w.pod,
+        seen.to_node,
+        seen.running_s,
+        seen.ready_s
+    ));
+    let old_log = c.node(&b.node)?.spec.log_dir();
     let old_events = if fault.old_pod_runs() {
-        old_writes_fail(&old_log, &before.uid, fence_nanos)?
+        old_writes_fail(b.w, &old_log, &b.uid, fence_nanos)?
     } else {
-        writer::events(&old_log, &before.uid)?
+        writer::events(b.w, &old_log, &b.uid)?
     };
     let failed_after_fence = old_events
         .iter()
@@ -215,38 +308,41 @@ pub fn fail_over_and_return(c: &mut Cluster, fault: Fault, td: &Teardown) -> Res
             "the old pod acknowledged writes after the fence: {acked_late:?}"
         );
     }
-    check_records_and_fence(c, &before, &old_events, &seen)?;
-    let heal_to_lifted_s = return_node(c, fault, &before, td)?;
-    if let Some(t) = &takeover {
-        super::leader::former_leader_did_nothing(c, t, &c.state_dir)?;
-    }
+    check_records_and_fence(c, b, &old_events, seen)?;
     Ok(Figures {
-        fault: what,
-        node: before.node,
-        to_node: seen.to_node,
+        fault: fault.name(),
+        writer: b.w.name,
+        node: b.node.clone(),
+        to_node: seen.to_node.clone(),
         fault_to_fence_s,
         fault_to_running_s: seen.running_s,
         fault_to_ready_s: seen.ready_s,
-        heal_to_lifted_s,
+        heal_to_lifted_s: 0.0,
         acked_by_old_pod: old_events
             .iter()
             .filter(|e| matches!(e, Event::Ack { .. }))
             .count(),
         old_writes_failed_after_fence: failed_after_fence,
-        fault_to_new_leader_s: takeover.map(|t| t.fault_to_leader_s),
-        fault_to_controller_s: controller_s,
+        fault_to_new_leader_s: None,
+        fault_to_controller_s: None,
+        own_fault_to_new_leader_s: None,
     })
 }
 
 /// Waits until the old pod, still running on the failed node, logs a failed write after
 /// the fence; its events.
-fn old_writes_fail(old_log: &std::path::Path, uid: &str, fence_nanos: i64) -> Result<Vec<Event>> {
+fn old_writes_fail(
+    w: Writer,
+    old_log: &std::path::Path,
+    uid: &str,
+    fence_nanos: i64,
+) -> Result<Vec<Event>> {
     let events = wait::until_explained(
-        "the old pod's writes to fail after the fence",
+        &format!("the old {}'s writes to fail after the fence", w.pod),
         Duration::from_secs(60),
         Duration::from_millis(500),
         || {
-            let ev = writer::events(old_log, uid)?;
+            let ev = writer::events(w, old_log, uid)?;
             let failed = ev
                 .iter()
                 .filter(|e| matches!(e, Event::Fail { at_nanos, .. } if *at_nanos > fence_nanos))
@@ -262,22 +358,24 @@ fn old_writes_fail(old_log: &std::path::Path, uid: &str, fence_nanos: i64) -> Re
         },
     )?;
     if let Some(Event::Fail { why, .. }) = events.iter().find(|e| matches!(e, Event::Fail { .. })) {
-        say(format!("the old pod's first failed write: {why}"));
+        say(format!("the old {}'s first failed write: {why}", w.pod));
     }
     Ok(events)
 }
 
-/// Every record the old pod acknowledged is on the volume the new pod sees, and no byte
-/// reached the fenced generation after the fence.
+/// Every record the old pod acknowledged is on the volume the new pod sees, no byte
+/// reached the fenced generation after the fence, and the volume was fenced once: the
+/// new pod writes generation G+1, which is not fenced.
 fn check_records_and_fence(
     c: &Cluster,
     before: &Before,
     old_events: &[Event],
     seen: &Seen,
 ) -> Result<()> {
+    let w = before.w;
     let last_old = writer::last_ack(old_events).unwrap_or(0);
-    wait_writing(c, last_old + 3, Duration::from_secs(60))?;
-    let present = writer::records_in_volume(c)?;
+    writer::wait_writing(c, w, last_old + 3, Duration::from_secs(60))?;
+    let present = writer::records_in_volume(c, w)?;
     let old_acks: Vec<Event> = old_events
         .iter()
         .filter(|e| matches!(e, Event::Ack { .. }))
@@ -286,30 +384,62 @@ fn check_records_and_fence(
     let missing = writer::missing_acks(&old_acks, &present);
     ensure!(
         missing.is_empty(),
-        "acknowledged records missing after the failover: {missing:?}"
+        "{}: acknowledged records missing after the failover: {missing:?}",
+        w.pod
     );
     say(format!(
-        "all {} records the old pod acknowledged are on the volume ({} records there)",
+        "all {} records the old {} acknowledged are on the volume ({} records there)",
         old_acks.len(),
+        w.pod,
         present.len()
     ));
     let gen = evidence::generation_path(&c.state_dir, &before.handle, before.generation);
     let diff = evidence::differing_bytes(&gen, &seen.fenced_copy)?;
     ensure!(
         diff == 0,
-        "{diff} bytes of the fenced generation changed after the fence"
+        "{diff} bytes of {}'s fenced generation changed after the fence",
+        w.pod
     );
-    say("the fenced generation is unchanged since the fence");
+    let rec = evidence::volume_record(&c.state_dir, &before.handle)?;
+    let next = before.generation + 1;
+    ensure!(
+        evidence::current_generation(&rec) == Some(next)
+            && evidence::fenced_at(&rec, next).is_none(),
+        "{}'s volume was fenced more than once: the new pod should write generation {next}, unfenced: {rec}",
+        w.pod
+    );
+    say(format!(
+        "{}: the fenced generation is unchanged since the fence, and generation {next} (the new pod's) is not fenced",
+        w.pod
+    ));
     Ok(())
 }
 
-/// Brings the failed node back (link up, or a fresh start after a power-off; a hang was
-/// thawed already) and waits until it is lifted. Seconds from its return.
-fn return_node(c: &mut Cluster, fault: Fault, before: &Before, td: &Teardown) -> Result<f64> {
+/// Brings the failed nodes back (links up, or a fresh start after a power-off; a hang was
+/// thawed already) and waits until each is lifted, filling in its figures.
+fn return_nodes(
+    c: &mut Cluster,
+    fault: Fault,
+    failing: &[Failing],
+    figures: &mut [Figures],
+    td: &Teardown,
+) -> Result<()> {
+    let mut back = Vec::new();
+    for f in failing {
+        return_node(c, fault, &f.before.node, td)?;
+        back.push(Instant::now());
+    }
+    for ((f, fig), at) in failing.iter().zip(figures.iter_mut()).zip(back) {
+        fig.heal_to_lifted_s = wait_lifted(c, &f.before, at)?;
+    }
+    Ok(())
+}
+
+fn return_node(c: &mut Cluster, fault: Fault, node_name: &str, td: &Teardown) -> Result<()> {
     match fault {
-        Fault::Partition => network::heal(&c.node(&before.node)?.spec.host_end)?,
+        Fault::Partition => network::heal(&c.node(node_name)?.spec.host_end)?,
         Fault::PowerOff => {
-            let spec = c.node(&before.node)?.spec.clone();
+            let spec = c.node(node_name)?.spec.clone();
             // A reboot starts with no cgroups: the dead containers' cgroups left behind
             // would make the new kubelet's cAdvisor try to adopt each one (about 3 s each,
             // 38 s in all, measured), which no real power cycle shows.
@@ -325,11 +455,11 @@ fn return_node(c: &mut Cluster, fault: Fault, before: &Before, td: &Teardown) ->
         }
         Fault::Hang => {}
     }
-    say(format!("{}: {} is back", fault.name(), before.node));
-    wait_lifted(c, before)
+    say(format!("{}: {node_name} is back", fault.name()));
+    Ok(())
 }
 
-/// What the failover watch saw.
+/// What the failover watch saw of one writer.
 struct Seen {
     to_node: String,
     running_s: f64,
@@ -338,67 +468,107 @@ struct Seen {
     fenced_copy: std::path::PathBuf,
 }
 
-/// Polls the fence (state dir) and the writer pod (API server) until the new pod is Ready
-/// on another node and the fence has been seen and its generation copied.
-fn watch_failover(c: &Cluster, before: &Before, fault: Instant) -> Result<Seen> {
-    let copy = c.run_dir.join(format!(
-        "fenced-{}-gen{}.img",
-        before.handle, before.generation
-    ));
-    let mut fence_nanos: Option<i64> = None;
-    let mut running_s: Option<f64> = None;
+/// One writer's failover as watched so far.
+struct Watch<'a> {
+    f: &'a Failing,
+    copy: std::path::PathBuf,
+    fence_nanos: Option<i64>,
+    running_s: Option<f64>,
+    seen: Option<Seen>,
+}
+
+/// Polls each writer's fence (state dir) and pod (API server) until every new pod is
+/// Ready on another node and every fence has been seen and its generation copied.
+fn watch_failovers(c: &Cluster, failing: &[Failing]) -> Result<Vec<Seen>> {
+    let mut watches: Vec<Watch> = failing
+        .iter()
+        .map(|f| Watch {
+            f,
+            copy: c.run_dir.join(format!(
+                "fenced-{}-gen{}.img",
+                f.before.handle, f.before.generation
+            )),
+            fence_nanos: None,
+            running_s: None,
+            seen: None,
+        })
+        .collect();
     let limit = Duration::from_secs(300);
+    let started = Instant::now();
     loop {
-        if fence_nanos.is_none() {
-            let rec = evidence::volume_record(&c.state_dir, &before.handle)?;
-            if let Some(t) = evidence::fenced_at(&rec, before.generation) {
-                let gen =
-                    evidence::generation_path(&c.state_dir, &before.handle, before.generation);
-                evidence::copy_data_region(&gen, &copy)?;
-                say(format!(
-                    "generation {} fenced; data region copied",
-                    before.generation
-                ));
-                fence_nanos = Some(t);
-            }
+        for w in watches.iter_mut().filter(|w| w.seen.is_none()) {
+            poll_failover(c, w)?;
         }
-        if let Some(p) = writer::pod(c).unwrap_or(None) {
-            let (uid, node, running, ready) = writer::pod_place(&p);
-            if uid != before.uid && node != before.node && running {
-                let r = *running_s.get_or_insert(fault.elapsed().as_secs_f64());
-                if ready {
-                    if let Some(f) = fence_nanos {
-                        return Ok(Seen {
-                            to_node: node,
-                            running_s: r,
-                            ready_s: fault.elapsed().as_secs_f64(),
-                            fence_nanos: f,
-                            fenced_copy: copy,
-                        });
-                    }
-                    bail!(
-                        "the writer is Ready on {node} but generation {} was never fenced",
-                        before.generation
-                    );
-                }
-            }
+        if watches.iter().all(|w| w.seen.is_some()) {
+            return Ok(watches.into_iter().filter_map(|w| w.seen).collect());
         }
-        if fault.elapsed() > limit {
-            bail!(
-                "no failover within {limit:?}: fence seen={} running={running_s:?}",
-                fence_nanos.is_some()
-            );
+        if started.elapsed() > limit {
+            let states: Vec<String> = watches
+                .iter()
+                .map(|w| {
+                    format!(
+                        "{}: fence seen={} running={:?}",
+                        w.f.before.w.pod,
+                        w.fence_nanos.is_some(),
+                        w.running_s
+                    )
+                })
+                .collect();
+            bail!("no failover within {limit:?}: {}", states.join("; "));
         }
         std::thread::sleep(Duration::from_millis(250));
     }
 }
 
+/// One look at a writer's fence and pod; sets `seen` once its new pod is Ready elsewhere.
+fn poll_failover(c: &Cluster, w: &mut Watch) -> Result<()> {
+    let b = &w.f.before;
+    if w.fence_nanos.is_none() {
+        let rec = evidence::volume_record(&c.state_dir, &b.handle)?;
+        if let Some(t) = evidence::fenced_at(&rec, b.generation) {
+            let gen = evidence::generation_path(&c.state_dir, &b.handle, b.generation);
+            evidence::copy_data_region(&gen, &w.copy)?;
+            say(format!(
+                "{}: generation {} fenced; data region copied",
+                b.w.pod, b.generation
+            ));
+            w.fence_nanos = Some(t);
+        }
+    }
+    let Some(p) = writer::pod(c, b.w).unwrap_or(None) else {
+        return Ok(());
+    };
+    let (uid, node, running, ready) = writer::pod_place(&p);
+    if uid == b.uid || node == b.node || !running {
+        return Ok(());
+    }
+    let fault = w.f.fault_at;
+    let r = *w.running_s.get_or_insert(fault.elapsed().as_secs_f64());
+    if !ready {
+        return Ok(());
+    }
+    let Some(f) = w.fence_nanos else {
+        bail!(
+            "{} is Ready on {node} but generation {} was never fenced",
+            b.w.pod,
+            b.generation
+        );
+    };
+    w.seen = Some(Seen {
+        to_node: node,
+        running_s: r,
+        ready_s: fault.elapsed().as_secs_f64(),
+        fence_nanos: f,
+        fenced_copy: w.copy.clone(),
+    });
+    Ok(())
+}
+
 /// Waits until the node is Ready, its quarantine lifted and it is schedulable, and
-/// recovery released what was fenced there. Seconds from the call.
-fn wait_lifted(c: &Cluster, before: &Before) -> Result<f64> {
-    let healed = Instant::now();
+/// recovery released what was fenced there. Seconds from `healed`, its return.
+fn wait_lifted(c: &Cluster, before: &Before, healed: Instant) -> Result<f64> {
     wait::until_explained(
-        "the node Ready, un-quarantined and schedulable",
+        &format!("{} Ready, un-quarantined and schedulable", before.node),
         Duration::from_secs(300),
         Duration::from_millis(500),
         || {
@@ -425,7 +595,7 @@ fn wait_lifted(c: &Cluster, before: &Before) -> Result<f64> {
         before.node
     ));
     wait::until_explained(
-        "recovery to release the fenced generation",
+        &format!("recovery to release {}'s fenced generation", before.w.pod),
         Duration::from_secs(120),
         Duration::from_secs(1),
         || {

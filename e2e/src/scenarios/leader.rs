@@ -9,25 +9,29 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 
 use super::install::{self, NAMESPACE};
-use super::{failover, writer};
+use super::writer::{self, Writer};
 use crate::cluster::Cluster;
 use crate::{say, wait};
 
 /// A hostname no node has: the writer's "avoid" when it may go anywhere.
 const NO_NODE: &str = "no-such-node";
 
-/// Moves the writer onto the leading controller's node (its StatefulSet's placement
+/// Moves the first writer onto the leading controller's node (its StatefulSet's placement
 /// changed, so its pod is replaced there) and waits until it writes there. The node's name.
 pub fn place_writer_on_leader(c: &Cluster, storage_class: &str) -> Result<String> {
     let leader = install::controller_node(c)?;
-    c.kubectl
-        .apply_text(&writer::manifest(storage_class, NO_NODE, &leader))?;
+    c.kubectl.apply_text(&writer::manifest(
+        Writer::FIRST,
+        storage_class,
+        &[NO_NODE],
+        &leader,
+    ))?;
     wait::until_explained(
         "the writer to write on the leading controller's node",
         Duration::from_secs(240),
         Duration::from_secs(1),
         || {
-            let (_, node) = failover::wait_writing(c, 10, Duration::from_secs(240))?;
+            let (_, node) = writer::wait_writing(c, Writer::FIRST, 10, Duration::from_secs(240))?;
             Ok(if node == leader {
                 Ok(())
             } else {
@@ -39,8 +43,8 @@ pub fn place_writer_on_leader(c: &Cluster, storage_class: &str) -> Result<String
     Ok(leader)
 }
 
-/// Puts the writer back off the leading controller's node, as the worker-node faults
-/// want it.
+/// Puts the first writer back off the leading controller's node, as the worker-node
+/// faults want it.
 pub fn place_writer_off_leader(c: &Cluster, storage_class: &str) -> Result<()> {
     let leader = install::controller_node(c)?;
     let prefer = c
@@ -49,10 +53,60 @@ pub fn place_writer_off_leader(c: &Cluster, storage_class: &str) -> Result<()> {
         .map(|n| n.spec.name.clone())
         .find(|n| *n != leader)
         .context("no node without the controller")?;
-    c.kubectl
-        .apply_text(&writer::manifest(storage_class, &leader, &prefer))?;
-    failover::wait_writing(c, 10, Duration::from_secs(240))?;
+    c.kubectl.apply_text(&writer::manifest(
+        Writer::FIRST,
+        storage_class,
+        &[&leader],
+        &prefer,
+    ))?;
+    writer::wait_writing(c, Writer::FIRST, 10, Duration::from_secs(240))?;
     Ok(())
+}
+
+/// Places the second writer on a node with no controller pod (so its failure leaves the
+/// standby, which takes over, alone) and not the first writer's, and waits until it
+/// writes there. The node's name.
+pub fn place_second_writer(c: &Cluster, storage_class: &str) -> Result<String> {
+    let controllers: Vec<String> = install::controller_pods_placed(c)?
+        .into_iter()
+        .map(|(_, node)| node)
+        .collect();
+    let first = writer::wait_writing(c, Writer::FIRST, 1, Duration::from_secs(240))?.1;
+    let free: Vec<String> = c
+        .nodes
+        .iter()
+        .map(|n| n.spec.name.clone())
+        .filter(|n| !controllers.contains(n) && *n != first)
+        .collect();
+    let prefer = free.first().with_context(|| {
+        format!("no node for the second writer: controllers on {controllers:?}, the first writer on {first}")
+    })?;
+    let mut avoid: Vec<&str> = controllers.iter().map(String::as_str).collect();
+    avoid.push(&first);
+    c.kubectl.apply_text(&writer::manifest(
+        Writer::SECOND,
+        storage_class,
+        &avoid,
+        prefer,
+    ))?;
+    wait::until_explained(
+        "the second writer to write on a node with no controller pod",
+        Duration::from_secs(240),
+        Duration::from_secs(1),
+        || {
+            let (_, node) = writer::wait_writing(c, Writer::SECOND, 10, Duration::from_secs(240))?;
+            Ok(if avoid.contains(&node.as_str()) {
+                Err(format!("writing on {node}, one of {avoid:?}"))
+            } else {
+                Ok(node)
+            })
+        },
+    )
+    .inspect(|node| {
+        say(format!(
+            "second writer: on {node}, which runs no controller pod"
+        ))
+    })
 }
 
 /// What the controller's own failover showed.
@@ -61,6 +115,8 @@ pub struct Takeover {
     pub pod: String,
     /// Fault → the new leader's `acquireTime` on its Lease (recorded by the new leader).
     pub fault_to_leader_s: f64,
+    /// That `acquireTime`, in unix nanos.
+    pub acquired_nanos: i64,
     /// The state dir's ownership generation the new leader holds.
     pub generation: u64,
 }
@@ -91,7 +147,8 @@ pub fn new_leader(c: &Cluster, old: &str, fault_nanos: i64) -> Result<Takeover> 
     let at = acquired
         .parse::<fencecsi_cluster::k8s_openapi::jiff::Timestamp>()
         .with_context(|| format!("the Lease's acquireTime {acquired:?}"))?;
-    let fault_to_leader_s = (at.as_nanosecond() as i64 - fault_nanos) as f64 / 1e9;
+    let acquired_nanos = at.as_nanosecond() as i64;
+    let fault_to_leader_s = (acquired_nanos - fault_nanos) as f64 / 1e9;
     let generation = wait::until_explained(
         "the new leader to own the state dir",
         Duration::from_secs(60),
@@ -110,6 +167,7 @@ pub fn new_leader(c: &Cluster, old: &str, fault_nanos: i64) -> Result<Takeover> 
     Ok(Takeover {
         pod,
         fault_to_leader_s,
+        acquired_nanos,
         generation,
     })
 }

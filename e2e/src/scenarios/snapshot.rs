@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure, Context, Result};
 
-use super::writer::{self, Event, NAMESPACE};
+use super::writer::{self, Event, Writer, NAMESPACE};
 use crate::cluster::Cluster;
 use crate::kubectl::{pod_ready, wait_pod_ready};
 use crate::{images, say, wait};
@@ -103,12 +103,12 @@ fn restore_manifest() -> String {
 
 /// Snapshots the writer's claim while it writes, restores it, and checks the records.
 pub fn restores_what_was_acknowledged(c: &Cluster) -> Result<()> {
-    let p = writer::pod(c)?.context("no writer")?;
+    let p = writer::pod(c, Writer::FIRST)?.context("no writer")?;
     let (uid, node, _, _) = writer::pod_place(&p);
     let asked = now_nanos();
     take_snapshot(c)?;
     let restored = restored_records(c)?;
-    let events = writer::events(&c.node(&node)?.spec.log_dir(), &uid)?;
+    let events = writer::events(Writer::FIRST, &c.node(&node)?.spec.log_dir(), &uid)?;
     let acked_before: Vec<u64> = events
         .iter()
         .filter_map(|e| match e {
@@ -158,7 +158,7 @@ fn take_snapshot(c: &Cluster) -> Result<()> {
         "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
         "metadata": {"name": SNAPSHOT, "namespace": NAMESPACE},
         "spec": {"volumeSnapshotClassName": "fencecsi",
-                 "source": {"persistentVolumeClaimName": format!("data-{}", writer::POD)}}
+                 "source": {"persistentVolumeClaimName": Writer::FIRST.claim()}}
     });
     c.kubectl.apply_text(&snap.to_string())?;
     wait::until_explained(

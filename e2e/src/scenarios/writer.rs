@@ -6,18 +6,44 @@
 //!
 //! Acknowledgements are read from the node's own pod log files (the kubelet's CRI log
 //! format), so they are readable while the node is cut off.
+//!
+//! There are two such StatefulSets ([`Writer::FIRST`], [`Writer::SECOND`]): the second is
+//! the workload on another node that fails while the controller itself fails over.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use crate::cluster::Cluster;
 use crate::kubectl::pod_ready;
+use crate::wait;
 
 pub const NAMESPACE: &str = "fencecsi-e2e";
-pub const NAME: &str = "writer";
-pub const POD: &str = "writer-0";
+
+/// One writer StatefulSet: its name, and the name of its one pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Writer {
+    pub name: &'static str,
+    pub pod: &'static str,
+}
+
+impl Writer {
+    pub const FIRST: Writer = Writer {
+        name: "writer",
+        pod: "writer-0",
+    };
+    pub const SECOND: Writer = Writer {
+        name: "writer-b",
+        pod: "writer-b-0",
+    };
+
+    /// The claim its pod's volume is bound through (from the claim template `data`).
+    pub fn claim(self) -> String {
+        format!("data-{}", self.pod)
+    }
+}
 
 const SCRIPT: &str = r#"f=/data/records
 touch "$f"
@@ -38,32 +64,33 @@ while :; do
 done
 "#;
 
-/// The namespace, and the StatefulSet with its claim template on `storage_class`. Kept
-/// off `avoid` (the controller's node, so that cutting the writer's node leaves the
+/// The namespace, and `w`'s StatefulSet with its claim template on `storage_class`. Kept
+/// off the nodes `avoid` (the controller's, so that cutting the writer's node leaves the
 /// controller alone) and preferring `prefer`.
-pub fn manifest(storage_class: &str, avoid: &str, prefer: &str) -> String {
+pub fn manifest(w: Writer, storage_class: &str, avoid: &[&str], prefer: &str) -> String {
+    let name = w.name;
     let sts = serde_json::json!({
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
-            "serviceName": NAME,
+            "serviceName": name,
             "replicas": 1,
-            "selector": {"matchLabels": {"app": NAME}},
+            "selector": {"matchLabels": {"app": name}},
             "template": {
-                "metadata": {"labels": {"app": NAME}},
+                "metadata": {"labels": {"app": name}},
                 "spec": {
                     "terminationGracePeriodSeconds": 5,
                     "affinity": {"nodeAffinity": {
                         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [avoid]}]}
+                            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": avoid}]}
                         ]},
                         "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference":
                             {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [prefer]}]}
                         }]
                     }},
                     "containers": [{
-                        "name": NAME,
+                        "name": name,
                         "image": "fencecsi:0.1.0",
                         "imagePullPolicy": "IfNotPresent",
                         "command": ["sh", "-c", SCRIPT],
@@ -94,13 +121,13 @@ pub enum Event {
     Fail { n: u64, at_nanos: i64, why: String },
 }
 
-/// The writer's log file on `node_log_dir` for the pod with `uid` (the kubelet names the
-/// dir `<namespace>_<pod>_<uid>`), concatenated over container restarts.
-pub fn events(node_log_dir: &Path, uid: &str) -> Result<Vec<Event>> {
+/// `w`'s log file on `node_log_dir` for the pod with `uid` (the kubelet names the dir
+/// `<namespace>_<pod>_<uid>`), concatenated over container restarts.
+pub fn events(w: Writer, node_log_dir: &Path, uid: &str) -> Result<Vec<Event>> {
     let dir = node_log_dir
         .join("pods")
-        .join(format!("{NAMESPACE}_{POD}_{uid}"))
-        .join(NAME);
+        .join(format!("{NAMESPACE}_{}_{uid}", w.pod))
+        .join(w.name);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .flatten()
@@ -148,14 +175,49 @@ pub fn last_ack(events: &[Event]) -> Option<u64> {
         .max()
 }
 
-/// The writer pod as the API server has it, if any.
-pub fn pod(c: &Cluster) -> Result<Option<Value>> {
+/// Waits until `w`'s pod is Ready and has acknowledged at least `min_acks` records.
+pub fn wait_writing(
+    c: &Cluster,
+    w: Writer,
+    min_acks: u64,
+    limit: Duration,
+) -> Result<(String, String)> {
+    wait::until_explained(
+        &format!("{} to be Ready and writing", w.pod),
+        limit,
+        Duration::from_secs(1),
+        || {
+            let Some(p) = pod(c, w)? else {
+                return Ok(Err(format!("no pod {}", w.pod)));
+            };
+            let (uid, node, running, ready) = pod_place(&p);
+            if !(running && ready) {
+                return Ok(Err(format!(
+                    "{} on {node:?} running={running} ready={ready}",
+                    w.pod
+                )));
+            }
+            let n = c.node(&node)?;
+            let acks = events(w, &n.spec.log_dir(), &uid)
+                .map(|e| last_ack(&e).unwrap_or(0))
+                .unwrap_or(0);
+            Ok(if acks >= min_acks {
+                Ok((uid, node))
+            } else {
+                Err(format!("{acks} records acknowledged on {node}"))
+            })
+        },
+    )
+}
+
+/// `w`'s pod as the API server has it, if any.
+pub fn pod(c: &Cluster, w: Writer) -> Result<Option<Value>> {
     let pods = c.kubectl.items(&[
         "pods",
         "-n",
         NAMESPACE,
         "--field-selector",
-        &format!("metadata.name={POD}"),
+        &format!("metadata.name={}", w.pod),
     ])?;
     Ok(pods.into_iter().next())
 }
@@ -188,9 +250,9 @@ pub fn claim_pod(name: &str) -> serde_json::Value {
     })
 }
 
-/// The records file as the running writer pod sees it: every whole record, in order.
-pub fn records_in_volume(c: &Cluster) -> Result<Vec<u64>> {
-    records_seen_by(c, POD, NAME)
+/// The records file as `w`'s running pod sees it: every whole record, in order.
+pub fn records_in_volume(c: &Cluster, w: Writer) -> Result<Vec<u64>> {
+    records_seen_by(c, w.pod, w.name)
 }
 
 /// The records file as container `container` of pod `pod` sees it at /data/records.
@@ -225,11 +287,9 @@ pub fn missing_acks(acked: &[Event], present: &[u64]) -> Vec<u64> {
         .collect()
 }
 
-/// The PersistentVolume's CSI volume handle of the writer's claim.
-pub fn volume_handle(c: &Cluster) -> Result<String> {
-    let pvc = c
-        .kubectl
-        .get(&["pvc", "-n", NAMESPACE, &format!("data-{POD}")])?;
+/// The PersistentVolume's CSI volume handle of `w`'s claim.
+pub fn volume_handle(c: &Cluster, w: Writer) -> Result<String> {
+    let pvc = c.kubectl.get(&["pvc", "-n", NAMESPACE, &w.claim()])?;
     let pv = pvc["spec"]["volumeName"]
         .as_str()
         .context("claim not bound")?;
