@@ -3,13 +3,13 @@
 //! Deployment (its leader Lease moving to the new pod). None may give the writer an I/O
 //! error, restart or move it, or fence its volume.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 
 use super::install::NAMESPACE;
 use super::writer::{self, wait_writing, Event, Writer};
-use super::{evidence, install};
+use super::{evidence, install, now_nanos};
 use crate::cluster::Cluster;
 use crate::teardown::Teardown;
 use crate::{node, say, wait};
@@ -35,13 +35,6 @@ impl Operation {
             Operation::ControllerRollout => "restart of deployment/fencecsi-controller",
         }
     }
-}
-
-fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
 }
 
 /// Runs `op` and checks the writer went on undisturbed.

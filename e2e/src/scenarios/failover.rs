@@ -10,12 +10,12 @@
 //! few seconds after the first: with the first on the leading controller's node, the later
 //! ones fail while the controller itself fails over, and are checked the same way.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 
-use super::evidence;
 use super::writer::{self, Event, Writer};
+use super::{evidence, now_nanos};
 use crate::cluster::Cluster;
 use crate::kubectl::{condition_true, taint_keys};
 use crate::teardown::Teardown;
@@ -104,13 +104,6 @@ impl Figures {
             "own_fault_to_new_leader_s": self.own_fault_to_new_leader_s,
         })
     }
-}
-
-fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
 }
 
 /// A writer as it was before the fault.

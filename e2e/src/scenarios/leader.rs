@@ -26,17 +26,16 @@ pub fn place_writer_on_leader(c: &Cluster, storage_class: &str) -> Result<String
         &[NO_NODE],
         &leader,
     ))?;
-    wait::until_explained(
+    wait_writing_where(
+        c,
+        Writer::FIRST,
         "the writer to write on the leading controller's node",
-        Duration::from_secs(240),
-        Duration::from_secs(1),
-        || {
-            let (_, node) = writer::wait_writing(c, Writer::FIRST, 10, Duration::from_secs(240))?;
-            Ok(if node == leader {
+        |node| {
+            if node == leader {
                 Ok(())
             } else {
                 Err(format!("writing on {node}, not {leader}"))
-            })
+            }
         },
     )?;
     say(format!("writer: on the leading controller's node {leader}"));
@@ -89,17 +88,16 @@ pub fn place_second_writer(c: &Cluster, storage_class: &str) -> Result<String> {
         &avoid,
         prefer,
     ))?;
-    wait::until_explained(
+    wait_writing_where(
+        c,
+        Writer::SECOND,
         "the second writer to write on a node with no controller pod",
-        Duration::from_secs(240),
-        Duration::from_secs(1),
-        || {
-            let (_, node) = writer::wait_writing(c, Writer::SECOND, 10, Duration::from_secs(240))?;
-            Ok(if avoid.contains(&node.as_str()) {
+        |node| {
+            if avoid.contains(&node) {
                 Err(format!("writing on {node}, one of {avoid:?}"))
             } else {
-                Ok(node)
-            })
+                Ok(())
+            }
         },
     )
     .inspect(|node| {
@@ -107,6 +105,24 @@ pub fn place_second_writer(c: &Cluster, storage_class: &str) -> Result<String> {
             "second writer: on {node}, which runs no controller pod"
         ))
     })
+}
+
+/// Waits (bounded) until `w` writes on a node `accept` takes (or says why not). The node.
+fn wait_writing_where(
+    c: &Cluster,
+    w: Writer,
+    what: &str,
+    accept: impl Fn(&str) -> std::result::Result<(), String>,
+) -> Result<String> {
+    wait::until_explained(
+        what,
+        Duration::from_secs(240),
+        Duration::from_secs(1),
+        || {
+            let (_, node) = writer::wait_writing(c, w, 10, Duration::from_secs(240))?;
+            Ok(accept(&node).map(|()| node))
+        },
+    )
 }
 
 /// What the controller's own failover showed.

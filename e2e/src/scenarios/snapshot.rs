@@ -6,10 +6,11 @@
 //! the snapshot was asked for is in the restored volume, as an unbroken run from 1.
 
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 
+use super::now_nanos;
 use super::writer::{self, Event, Writer, NAMESPACE};
 use crate::cluster::Cluster;
 use crate::kubectl::{pod_ready, wait_pod_ready};
@@ -78,13 +79,6 @@ pub fn install(c: &Cluster, manifests: &Path) -> Result<()> {
         "snapshot: CRDs, snapshot-controller ({ours}) and deploy/snapshot installed"
     ));
     Ok(())
-}
-
-fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
 }
 
 fn restore_manifest() -> String {
