@@ -242,6 +242,79 @@ fn finalizers(m: &ObjectMeta) -> &[String] {
     m.finalizers.as_deref().unwrap_or(&[])
 }
 
+/// A delete's preconditions (UID, resourceVersion), as the API server checks them.
+fn check_preconditions<K: Object>(old: &K, opts: &DeleteOptions) -> Result<()> {
+    let Some(pre) = &opts.preconditions else {
+        return Ok(());
+    };
+    let om = old.metadata();
+    if let Some(uid) = &pre.uid {
+        if Some(uid.as_str()) != om.uid.as_deref() {
+            return Err(Error::Conflict(format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                om.uid.as_deref().unwrap_or("")
+            )));
+        }
+    }
+    if let Some(rv) = &pre.resource_version {
+        if parse_rv(rv)? != rv_of(old) {
+            return Err(Error::Conflict(format!(
+                "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}",
+                om.resource_version.as_deref().unwrap_or("")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What a delete does to a kind with graceful deletion (Pods).
+enum Grace {
+    /// Starts it, or shortens the one under way, to this period (written into the object).
+    Applied(i64),
+    /// Not graceful: the kind has none, or the deletion under way is at grace 0.
+    NotGraceful,
+    /// A graceful deletion is under way and this one asks no shorter period: nothing changes.
+    AlreadyUnderWay,
+}
+
+fn apply_grace<K: Object>(obj: &mut K, requested: Option<i64>) -> Grace {
+    if obj.graceful_delete_period(requested).is_none() {
+        return Grace::NotGraceful;
+    }
+    let om = obj.metadata();
+    match (
+        om.deletion_timestamp.clone(),
+        om.deletion_grace_period_seconds,
+    ) {
+        (Some(ts), Some(existing)) if existing > 0 => match requested {
+            // Only a shorter grace period may be given once deletion started.
+            Some(p) if p < existing => {
+                let when =
+                    ts.0 - SignedDuration::from_secs(existing) + SignedDuration::from_secs(p);
+                let m = obj.metadata_mut();
+                m.deletion_timestamp = Some(Time(when));
+                m.deletion_grace_period_seconds = Some(p);
+                Grace::Applied(p)
+            }
+            _ => Grace::AlreadyUnderWay,
+        },
+        (Some(_), _) => Grace::NotGraceful, // already at grace 0: handled as non-graceful
+        (None, _) => {
+            let p = obj.graceful_delete_period(requested).unwrap_or(0);
+            let when = now_time().0 + SignedDuration::from_secs(p);
+            let m = obj.metadata_mut();
+            m.deletion_timestamp = Some(Time(when));
+            m.deletion_grace_period_seconds = Some(p);
+            m.generation = m
+                .generation
+                .filter(|g| *g > 0)
+                .map(|g| g + 1)
+                .or(m.generation);
+            Grace::Applied(p)
+        }
+    }
+}
+
 impl<K: Object> KindStore<K> {
     /// Called only under this kind's write lock, which is what keeps each kind's changes in
     /// resourceVersion order.
@@ -644,62 +717,16 @@ impl<K: Object> KindStore<K> {
     ) -> Result<DeleteOutcome<K>> {
         let mut st = self.write();
         let old = Self::lookup(&st, ns, name).ok_or_else(|| Self::not_found(ns, name))?;
-        let om = old.metadata();
-        if let Some(pre) = &opts.preconditions {
-            if let Some(uid) = &pre.uid {
-                if Some(uid.as_str()) != om.uid.as_deref() {
-                    return Err(Error::Conflict(format!(
-                        "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
-                        om.uid.as_deref().unwrap_or("")
-                    )));
-                }
-            }
-            if let Some(rv) = &pre.resource_version {
-                if parse_rv(rv)? != rv_of(&*old) {
-                    return Err(Error::Conflict(format!(
-                        "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}",
-                        om.resource_version.as_deref().unwrap_or("")
-                    )));
-                }
-            }
-        }
+        check_preconditions(&*old, opts)?;
         // Negative grace periods are treated as 1s on the delete path.
         let requested = opts.grace_period_seconds.map(|g| if g < 0 { 1 } else { g });
-        let pending_finalizers = !finalizers(om).is_empty();
+        let pending_finalizers = !finalizers(old.metadata()).is_empty();
         let mut obj = (*old).clone();
-
-        // Graceful deletion (Pods). `graceful` is the period being applied now.
-        let mut graceful: Option<i64> = None;
-        if obj.graceful_delete_period(requested).is_some() {
-            match (&om.deletion_timestamp, om.deletion_grace_period_seconds) {
-                (Some(ts), Some(existing)) if existing > 0 => match requested {
-                    // Only a shorter grace period may be given once deletion started.
-                    Some(p) if p < existing => {
-                        let when = ts.0 - SignedDuration::from_secs(existing)
-                            + SignedDuration::from_secs(p);
-                        let m = obj.metadata_mut();
-                        m.deletion_timestamp = Some(Time(when));
-                        m.deletion_grace_period_seconds = Some(p);
-                        graceful = Some(p);
-                    }
-                    _ => return Ok(DeleteOutcome::Terminating((*old).clone())),
-                },
-                (Some(_), _) => {} // already at grace 0: handled as non-graceful below
-                (None, _) => {
-                    let p = obj.graceful_delete_period(requested).unwrap_or(0);
-                    let when = now_time().0 + SignedDuration::from_secs(p);
-                    let m = obj.metadata_mut();
-                    m.deletion_timestamp = Some(Time(when));
-                    m.deletion_grace_period_seconds = Some(p);
-                    m.generation = m
-                        .generation
-                        .filter(|g| *g > 0)
-                        .map(|g| g + 1)
-                        .or(m.generation);
-                    graceful = Some(p);
-                }
-            }
-        }
+        let graceful = match apply_grace(&mut obj, requested) {
+            Grace::Applied(p) => Some(p),
+            Grace::NotGraceful => None,
+            Grace::AlreadyUnderWay => return Ok(DeleteOutcome::Terminating((*old).clone())),
+        };
 
         if let Some(period) = graceful {
             // The API server stores the deletionTimestamp first (watchers see Modified),

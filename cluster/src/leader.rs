@@ -195,29 +195,7 @@ impl LeaderElector {
             if !self.followed_lease_is_mine().await? {
                 return Ok(false);
             }
-            let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(self.cfg.lease_name.clone()),
-                    namespace: Some(self.cfg.namespace.clone()),
-                    ..Default::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(me),
-                    lease_duration_seconds: Some(self.cfg.lease_duration_secs()),
-                    acquire_time: Some(now.clone()),
-                    renew_time: Some(now),
-                    lease_transitions: Some(0),
-                    ..Default::default()
-                }),
-            };
-            return match self.api.create(&lease).await {
-                Ok(created) => {
-                    self.record_success(&created, sent);
-                    Ok(true)
-                }
-                Err(e) if e.is_already_exists() || e.is_conflict() => Ok(false),
-                Err(e) => Err(e),
-            };
+            return self.create_lease(me, now, sent).await;
         };
 
         let spec = lease.spec.clone().unwrap_or_default();
@@ -266,6 +244,34 @@ impl LeaderElector {
             }
             // Someone else wrote first; the next round sees who.
             Err(e) if e.is_conflict() => Ok(self.is_leader()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Creates the Lease, held by `me`; whether this candidate got it (another may have
+    /// created it first).
+    async fn create_lease(&self, me: String, now: MicroTime, sent: Instant) -> Result<bool> {
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(self.cfg.lease_name.clone()),
+                namespace: Some(self.cfg.namespace.clone()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(me),
+                lease_duration_seconds: Some(self.cfg.lease_duration_secs()),
+                acquire_time: Some(now.clone()),
+                renew_time: Some(now),
+                lease_transitions: Some(0),
+                ..Default::default()
+            }),
+        };
+        match self.api.create(&lease).await {
+            Ok(created) => {
+                self.record_success(&created, sent);
+                Ok(true)
+            }
+            Err(e) if e.is_already_exists() || e.is_conflict() => Ok(false),
             Err(e) => Err(e),
         }
     }

@@ -7,7 +7,8 @@
 //!
 //! - a standby serves the Identity service and ControllerGetCapabilities (its sidecars
 //!   need them to start and to stay live), and forwards every other controller call to
-//!   the leader, which serves its standbys on [`leader_socket`] in the state dir (see
+//!   the leader, which serves its standbys on a socket in the state dir
+//!   ([`crate::locks::leader_socket`]; see
 //!   `standby`: each sidecar elects on its own, so the one that leads may sit beside a
 //!   standby); it opens the state dir only once it leads;
 //! - a leader that has not renewed its Lease for `--leader-election-renew-deadline` exits
@@ -27,7 +28,6 @@
 //! default) after its node is cut off, plus the standby's start-up pass, and a frozen
 //! node adds at most `TAKEOVER_WAIT` to that.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,12 +43,6 @@ pub const LOST_LEADERSHIP_EXIT: i32 = 3;
 
 /// The controller plugin's Lease unless `--leader-election-lease-name` names another.
 pub const LEASE_NAME: &str = "fencecsi-controller-plugin";
-
-/// Where the leader serves the whole plugin for its standbys, beside its own socket: in
-/// the state dir, which every replica sees on this one kernel (see `standby`).
-pub fn leader_socket(state_dir: &Path) -> PathBuf {
-    state_dir.join("owner").join("leader.sock")
-}
 
 /// The election of this controller plugin (`--leader-election` and the flags beside it).
 fn election_config(cfg: &Config) -> Result<LeaderElectionConfig, ServeError> {

@@ -10,6 +10,7 @@ use fencecsi_proto::v1::controller_server::ControllerServer;
 use fencecsi_proto::v1::group_controller_server::GroupControllerServer;
 use fencecsi_proto::v1::identity_server::IdentityServer;
 use fencecsi_proto::v1::node_server::NodeServer;
+use futures::stream::BoxStream;
 use futures::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
@@ -97,18 +98,10 @@ pub async fn serve_with_metrics(
     // unnoticed; served until the gRPC server has stopped.
     let http = start_http(&cfg, &metrics, node.as_ref(), &mut metrics_hooks).await?;
 
-    let listener = bind(&socket)?;
     // A leader serves its standbys too, which forward their sidecars' calls (`standby`).
     let leader_socket = (lease.is_some() && controller.is_some())
-        .then(|| crate::leadership::leader_socket(&cfg.state_dir));
-    let incoming = match &leader_socket {
-        Some(path) => futures::stream::select(
-            UnixListenerStream::new(listener),
-            UnixListenerStream::new(bind(path)?),
-        )
-        .boxed(),
-        None => UnixListenerStream::new(listener).boxed(),
-    };
+        .then(|| crate::locks::leader_socket(&cfg.state_dir));
+    let incoming = incoming(&socket, leader_socket.as_deref())?;
     tracing::info!(endpoint = %cfg.endpoint, mode = ?cfg.mode, driver = %cfg.driver_name, node = ?cfg.node_id, leader_socket = ?leader_socket, "serving CSI");
 
     let (gc_stop, gc_stopped) = tokio::sync::watch::channel(false);
@@ -130,38 +123,81 @@ pub async fn serve_with_metrics(
             hooks.on_lost_leadership.take(),
         )
     });
-    let owner = controller.clone();
+    let background = Background {
+        leader_socket,
+        gc_stop,
+        gc_task,
+        owner: controller.clone(),
+        leading,
+        recovery,
+        http,
+    };
     // Clients whose gRPC stack sends the socket path as `:authority` (grpcio, grpc-java)
     // are refused by h2 unless they set a valid one: see docs/grpc-clients.md.
     let result = router(&cfg, metrics, controller, node)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
-    // While this replica still owns the state dir: a successor binds it anew once it does.
-    if let Some(path) = &leader_socket {
-        let _ = std::fs::remove_file(path);
-    }
-    // Let a running collection finish (it writes metadata) before giving up the state dir.
-    let _ = gc_stop.send(true);
-    if let Some(t) = gc_task {
-        let _ = t.await;
-    }
-    if let Some(c) = owner {
-        c.release_ownership();
-    }
-    if let Some(l) = leading {
-        l.step_down().await;
-    }
-    if let Some(r) = recovery {
-        r.abort();
-    }
-    if let Some(h) = http {
-        h.stop().await;
-    }
+    background.stop().await;
     let _ = std::fs::remove_file(&socket);
     // An embedder waiting on an endpoint that was never bound learns it now.
     drop(metrics_hooks);
     tracing::info!("stopped; socket removed, volumes left mounted");
     Ok(result?)
+}
+
+/// The connections to serve: the plugin's socket, and the leader's socket for its
+/// standbys when this replica leads.
+fn incoming(
+    socket: &std::path::Path,
+    leader_socket: Option<&std::path::Path>,
+) -> Result<BoxStream<'static, std::io::Result<tokio::net::UnixStream>>, ServeError> {
+    let listener = bind(socket)?;
+    Ok(match leader_socket {
+        Some(path) => futures::stream::select(
+            UnixListenerStream::new(listener),
+            UnixListenerStream::new(bind(path)?),
+        )
+        .boxed(),
+        None => UnixListenerStream::new(listener).boxed(),
+    })
+}
+
+/// What runs beside the gRPC server, stopped in order once it has stopped.
+struct Background {
+    leader_socket: Option<std::path::PathBuf>,
+    gc_stop: tokio::sync::watch::Sender<bool>,
+    gc_task: Option<tokio::task::JoinHandle<()>>,
+    /// The controller that owns the state dir, if this replica serves one.
+    owner: Option<Arc<Controller>>,
+    leading: Option<crate::leadership::Leading>,
+    recovery: Option<crate::node::recover::RecoveryHandle>,
+    http: Option<fencecsi_cluster::http::HttpServer>,
+}
+
+impl Background {
+    async fn stop(self) {
+        // While this replica still owns the state dir: a successor binds it anew once it does.
+        if let Some(path) = &self.leader_socket {
+            let _ = std::fs::remove_file(path);
+        }
+        // Let a running collection finish (it writes metadata) before giving up the state dir.
+        let _ = self.gc_stop.send(true);
+        if let Some(t) = self.gc_task {
+            let _ = t.await;
+        }
+        if let Some(c) = self.owner {
+            c.release_ownership();
+        }
+        if let Some(l) = self.leading {
+            l.step_down().await;
+        }
+        if let Some(r) = self.recovery {
+            r.abort();
+        }
+        if let Some(h) = self.http {
+            h.stop().await;
+        }
+    }
 }
 
 /// The services the configured modes serve.

@@ -3,7 +3,7 @@
 //! Every sidecar in a controller pod elects on a Lease of its own, so the sidecar that leads
 //! may sit in a pod whose plugin stands by. A standby therefore forwards every controller
 //! call to the leader, through the socket the leader serves in the state dir
-//! (`leadership::leader_socket`), which every replica sees on this one kernel. Its sidecars
+//! (`locks::leader_socket`), which every replica sees on this one kernel. Its sidecars
 //! then act through whichever plugin leads. It answers the Identity service and
 //! ControllerGetCapabilities itself (its sidecars need them to start, with or without a
 //! leader) and UNAVAILABLE while no leader answers: between leaders, or a leader that is
@@ -46,7 +46,7 @@ pub fn serve(
         .add_service(IdentityServer::new(IdentityService::new(cfg, None)))
         .add_service(ControllerServer::new(ForwardingController {
             extensions: cfg.advertise_extensions,
-            leader: crate::leadership::leader_socket(&cfg.state_dir),
+            leader: crate::locks::leader_socket(&cfg.state_dir),
             cut_off,
         }));
     Ok(tokio::spawn(async move {

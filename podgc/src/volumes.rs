@@ -132,79 +132,21 @@ impl<'a> Resolver<'a> {
         let mut pvs = Vec::new();
         let mut skip: Option<(SkipReason, String)> = None;
         let mut any_csi = false;
-        let first_skip = |s: &mut Option<(SkipReason, String)>, r: SkipReason, m: String| {
-            if s.is_none() {
-                *s = Some((r, m));
-            }
-        };
         for v in volumes {
-            let claim = if let Some(c) = &v.persistent_volume_claim {
-                Some(c.claim_name.clone())
-            } else if v.ephemeral.is_some() {
-                Some(format!("{pod_name}-{}", v.name))
-            } else {
-                None
+            let verdict = match claim_of(v, &pod_name) {
+                Some(claim) => {
+                    let (pv, verdict) = self.classify_claim(&ns, &claim, v).await?;
+                    pvs.extend(pv);
+                    verdict
+                }
+                None => self.classify_inline(v),
             };
-            if let Some(claim) = claim {
-                let Some(pvc) = self.pvc(&ns, &claim).await? else {
-                    first_skip(&mut skip, SkipReason::UnresolvedClaim, format!("volume {:?}: PersistentVolumeClaim {ns}/{claim} not found, so it cannot be checked", v.name));
-                    continue;
-                };
-                let pv_name = pvc
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.volume_name.clone())
-                    .filter(|n| !n.is_empty());
-                let Some(pv_name) = pv_name else {
-                    continue; // not bound: nothing attached
-                };
-                let Some(pv) = self.pv(&pv_name).await? else {
-                    first_skip(&mut skip, SkipReason::UnresolvedClaim, format!("volume {:?}: PersistentVolume {pv_name} of claim {claim} not found, so it cannot be checked", v.name));
-                    continue;
-                };
-                pvs.push(pv_name.clone());
-                let spec = pv.spec.as_ref();
-                let rwx = |modes: Option<&Vec<String>>| {
-                    modes.is_some_and(|m| m.iter().any(|m| m == "ReadWriteMany"))
-                };
-                if rwx(spec.and_then(|s| s.access_modes.as_ref()))
-                    || rwx(pvc.spec.as_ref().and_then(|s| s.access_modes.as_ref()))
-                {
-                    first_skip(&mut skip, SkipReason::ReadWriteMany, format!("volume {:?} (PersistentVolume {pv_name}) is ReadWriteMany: other nodes may write it legitimately, so it is not fenced away", v.name));
-                    continue;
+            match verdict {
+                VolumeVerdict::Fenced => any_csi = true,
+                VolumeVerdict::Harmless => {}
+                VolumeVerdict::Skip(reason, why) => {
+                    skip.get_or_insert((reason, why));
                 }
-                match spec.and_then(|s| s.csi.as_ref()) {
-                    Some(csi) if self.safe(&csi.driver) => any_csi = true,
-                    Some(csi) => first_skip(&mut skip, SkipReason::DriverNotSafeDetach, format!("volume {:?} (PersistentVolume {pv_name}) uses CSI driver {}, whose CSIDriver does not carry {}=\"true\": detaching it from a node that may still be running could corrupt it", v.name, csi.driver, fencecsi_cluster::well_known::SAFE_DETACH_ANNOTATION)),
-                    None => first_skip(&mut skip, SkipReason::NonCsiVolume, format!("volume {:?} (PersistentVolume {pv_name}) is not a CSI volume: nothing fences it", v.name)),
-                }
-                continue;
-            }
-            if let Some(csi) = &v.csi {
-                if self.safe(&csi.driver) {
-                    any_csi = true;
-                } else {
-                    first_skip(&mut skip, SkipReason::DriverNotSafeDetach, format!("inline volume {:?} uses CSI driver {}, whose CSIDriver does not carry {}=\"true\"", v.name, csi.driver, fencecsi_cluster::well_known::SAFE_DETACH_ANNOTATION));
-                }
-                continue;
-            }
-            let harmless = v.empty_dir.is_some()
-                || v.config_map.is_some()
-                || v.secret.is_some()
-                || v.projected.is_some()
-                || v.downward_api.is_some()
-                || v.host_path.is_some()
-                || v.image.is_some()
-                || v.git_repo.is_some();
-            if !harmless {
-                first_skip(
-                    &mut skip,
-                    SkipReason::NonCsiVolume,
-                    format!(
-                        "inline volume {:?} is network storage that nothing fences",
-                        v.name
-                    ),
-                );
             }
         }
         let verdict = match skip {
@@ -213,5 +155,97 @@ impl<'a> Resolver<'a> {
             None => Ok(DeleteReason::NoVolumes),
         };
         Ok(Classified { verdict, pvs })
+    }
+
+    /// A volume through claim `claim`: its PersistentVolume's name once found, and what it
+    /// says.
+    async fn classify_claim(
+        &mut self,
+        ns: &str,
+        claim: &str,
+        v: &Volume,
+    ) -> fencecsi_cluster::Result<(Option<String>, VolumeVerdict)> {
+        let Some(pvc) = self.pvc(ns, claim).await? else {
+            return Ok((None, VolumeVerdict::Skip(SkipReason::UnresolvedClaim, format!("volume {:?}: PersistentVolumeClaim {ns}/{claim} not found, so it cannot be checked", v.name))));
+        };
+        let pv_name = pvc
+            .spec
+            .as_ref()
+            .and_then(|s| s.volume_name.clone())
+            .filter(|n| !n.is_empty());
+        let Some(pv_name) = pv_name else {
+            return Ok((None, VolumeVerdict::Harmless)); // not bound: nothing attached
+        };
+        let Some(pv) = self.pv(&pv_name).await? else {
+            return Ok((None, VolumeVerdict::Skip(SkipReason::UnresolvedClaim, format!("volume {:?}: PersistentVolume {pv_name} of claim {claim} not found, so it cannot be checked", v.name))));
+        };
+        let spec = pv.spec.as_ref();
+        let rwx = |modes: Option<&Vec<String>>| {
+            modes.is_some_and(|m| m.iter().any(|m| m == "ReadWriteMany"))
+        };
+        let verdict = if rwx(spec.and_then(|s| s.access_modes.as_ref()))
+            || rwx(pvc.spec.as_ref().and_then(|s| s.access_modes.as_ref()))
+        {
+            VolumeVerdict::Skip(SkipReason::ReadWriteMany, format!("volume {:?} (PersistentVolume {pv_name}) is ReadWriteMany: other nodes may write it legitimately, so it is not fenced away", v.name))
+        } else {
+            match spec.and_then(|s| s.csi.as_ref()) {
+                Some(csi) if self.safe(&csi.driver) => VolumeVerdict::Fenced,
+                Some(csi) => VolumeVerdict::Skip(SkipReason::DriverNotSafeDetach, format!("volume {:?} (PersistentVolume {pv_name}) uses CSI driver {}, whose CSIDriver does not carry {}=\"true\": detaching it from a node that may still be running could corrupt it", v.name, csi.driver, fencecsi_cluster::well_known::SAFE_DETACH_ANNOTATION)),
+                None => VolumeVerdict::Skip(SkipReason::NonCsiVolume, format!("volume {:?} (PersistentVolume {pv_name}) is not a CSI volume: nothing fences it", v.name)),
+            }
+        };
+        Ok((Some(pv_name), verdict))
+    }
+
+    /// A volume with no claim: an inline CSI volume, one that lives and dies with the pod
+    /// or the node, or network storage nothing fences.
+    fn classify_inline(&self, v: &Volume) -> VolumeVerdict {
+        if let Some(csi) = &v.csi {
+            if self.safe(&csi.driver) {
+                return VolumeVerdict::Fenced;
+            }
+            return VolumeVerdict::Skip(SkipReason::DriverNotSafeDetach, format!("inline volume {:?} uses CSI driver {}, whose CSIDriver does not carry {}=\"true\"", v.name, csi.driver, fencecsi_cluster::well_known::SAFE_DETACH_ANNOTATION));
+        }
+        let harmless = v.empty_dir.is_some()
+            || v.config_map.is_some()
+            || v.secret.is_some()
+            || v.projected.is_some()
+            || v.downward_api.is_some()
+            || v.host_path.is_some()
+            || v.image.is_some()
+            || v.git_repo.is_some();
+        if harmless {
+            VolumeVerdict::Harmless
+        } else {
+            VolumeVerdict::Skip(
+                SkipReason::NonCsiVolume,
+                format!(
+                    "inline volume {:?} is network storage that nothing fences",
+                    v.name
+                ),
+            )
+        }
+    }
+}
+
+/// What one of a pod's volumes says about force-deleting the pod.
+enum VolumeVerdict {
+    /// A volume of a safe-detach CSI driver: its detach fences it.
+    Fenced,
+    /// Nothing to fence: not bound, or gone with the pod or the node.
+    Harmless,
+    /// The pod is not force-deleted, for this reason.
+    Skip(SkipReason, String),
+}
+
+/// The claim a volume goes through: its PersistentVolumeClaim, or the one a generic
+/// ephemeral volume gets (`<pod>-<volume>`).
+fn claim_of(v: &Volume, pod_name: &str) -> Option<String> {
+    if let Some(c) = &v.persistent_volume_claim {
+        Some(c.claim_name.clone())
+    } else if v.ephemeral.is_some() {
+        Some(format!("{pod_name}-{}", v.name))
+    } else {
+        None
     }
 }

@@ -33,11 +33,9 @@ where
 
 /// A client of the socket the leader serves its standbys on.
 async fn a_client_of_the_leader_socket(env: &Env) -> CsiClient {
-    CsiClient::connect(&fencecsi_driver::leadership::leader_socket(
-        &env.state_dir(),
-    ))
-    .await
-    .expect("the leader serves its standbys")
+    CsiClient::connect(&fencecsi_driver::locks::leader_socket(&env.state_dir()))
+        .await
+        .expect("the leader serves its standbys")
 }
 
 async fn create(c: &mut CsiClient, name: &str) -> Result<String, tonic::Status> {
@@ -253,7 +251,7 @@ async fn a_call_forwarded_to_a_frozen_leader_does_not_hold_up_the_takeover() {
     let cluster = Cluster::embedded();
     let held = hold_the_lease_elsewhere(&cluster).await;
     // The frozen leader: a socket that is listened on and never accepted from.
-    let socket = fencecsi_driver::leadership::leader_socket(&env.state_dir());
+    let socket = fencecsi_driver::locks::leader_socket(&env.state_dir());
     std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
     let frozen = std::os::unix::net::UnixListener::bind(&socket).unwrap();
 

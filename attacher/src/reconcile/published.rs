@@ -5,9 +5,9 @@
 //! waits on `attached`, so a node is never told a volume is there when the plugin says
 //! otherwise.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
-use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeError;
+use fencecsi_cluster::k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeError};
 use fencecsi_cluster::EventType;
 
 use super::{has_finalizer, now, Ctx, REASON_ATTACHMENT_LOST, VA_NODE_ID_ANNOTATION};
@@ -46,61 +46,71 @@ impl Ctx {
         };
         let mut lost = Vec::new();
         for va in attached {
-            let name = va.metadata.name.clone().unwrap_or_default();
-            let Some(node_id) = va
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(VA_NODE_ID_ANNOTATION))
-            else {
-                continue;
-            };
-            let handle = match self.volume_of(&va).await {
-                Ok((_, v)) => v.handle,
-                Err(e) => {
-                    tracing::debug!(volume_attachment = %name, error = %e, "not checked");
-                    continue;
-                }
-            };
-            let empty = HashSet::new();
-            let nodes = listed.get(&handle).unwrap_or(&empty);
-            if nodes.contains(node_id) {
-                continue;
+            if let Some(name) = self.mark_if_lost(&va, &listed).await {
+                lost.push(name);
             }
-            // Re-read: a detach may have started, or a re-attach finished, meanwhile.
-            let cur = match self.vas.get_opt(&name).await {
-                Ok(Some(v)) => v,
-                _ => continue,
-            };
-            if cur.metadata.deletion_timestamp.is_some()
-                || cur.status.as_ref().is_none_or(|s| !s.attached)
-                || cur.metadata.resource_version != va.metadata.resource_version
-            {
-                continue;
-            }
-            let msg = format!(
-                "the plugin does not list volume {handle} as published to node {} (CSI node ID {node_id}): marked not attached, to publish it again",
-                cur.spec.node_name
-            );
-            tracing::warn!(volume_attachment = %name, "{msg}");
-            let written = self
-                .set_status(&cur, |s| {
-                    s.attached = false;
-                    s.attachment_metadata = None;
-                    s.attach_error = Some(VolumeError {
-                        message: Some(msg.clone()),
-                        time: Some(now()),
-                        ..Default::default()
-                    });
-                })
-                .await;
-            if let Err(e) = written {
-                tracing::warn!(volume_attachment = %name, error = %e, "marking the attachment lost failed; checked again at the next resync");
-                continue;
-            }
-            self.event(&cur, EventType::Warning, REASON_ATTACHMENT_LOST, msg);
-            lost.push(name);
         }
         lost
+    }
+
+    /// Marks `va` not attached when the plugin's listing does not have its volume published
+    /// to its node and the object is still as it was listed; its name when marked.
+    async fn mark_if_lost(
+        &self,
+        va: &VolumeAttachment,
+        listed: &HashMap<String, HashSet<String>>,
+    ) -> Option<String> {
+        let name = va.metadata.name.clone().unwrap_or_default();
+        let node_id = va
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(VA_NODE_ID_ANNOTATION))?;
+        let handle = match self.volume_of(va).await {
+            Ok((_, v)) => v.handle,
+            Err(e) => {
+                tracing::debug!(volume_attachment = %name, error = %e, "not checked");
+                return None;
+            }
+        };
+        if listed
+            .get(&handle)
+            .is_some_and(|nodes| nodes.contains(node_id))
+        {
+            return None;
+        }
+        // Re-read: a detach may have started, or a re-attach finished, meanwhile.
+        let cur = match self.vas.get_opt(&name).await {
+            Ok(Some(v)) => v,
+            _ => return None,
+        };
+        if cur.metadata.deletion_timestamp.is_some()
+            || cur.status.as_ref().is_none_or(|s| !s.attached)
+            || cur.metadata.resource_version != va.metadata.resource_version
+        {
+            return None;
+        }
+        let msg = format!(
+            "the plugin does not list volume {handle} as published to node {} (CSI node ID {node_id}): marked not attached, to publish it again",
+            cur.spec.node_name
+        );
+        tracing::warn!(volume_attachment = %name, "{msg}");
+        let written = self
+            .set_status(&cur, |s| {
+                s.attached = false;
+                s.attachment_metadata = None;
+                s.attach_error = Some(VolumeError {
+                    message: Some(msg.clone()),
+                    time: Some(now()),
+                    ..Default::default()
+                });
+            })
+            .await;
+        if let Err(e) = written {
+            tracing::warn!(volume_attachment = %name, error = %e, "marking the attachment lost failed; checked again at the next resync");
+            return None;
+        }
+        self.event(&cur, EventType::Warning, REASON_ATTACHMENT_LOST, msg);
+        Some(name)
     }
 }

@@ -5,6 +5,7 @@
 use super::Controller;
 use crate::backend::meta::VolumeMeta;
 use crate::ids::VolumeId;
+use crate::kernel::loop_device::LoopInfo;
 
 impl Controller {
     /// Deletes fenced, superseded generations nobody holds and lifts the
@@ -12,7 +13,6 @@ impl Controller {
     /// Fences again first what [`Controller::complete_fence`] finds.
     pub fn collect_garbage(&self) -> usize {
         self.thaw_leftover_freezes();
-        let mut removed = 0;
         // One scan of the loop devices per pass, shared by the stray check and
         // the collection, and none when nothing is published or fenced. A
         // generation that looks released is checked again fresh before anything
@@ -44,10 +44,7 @@ impl Controller {
             }
         };
         self.fence_late_strays(&published, &snapshot);
-        let released = |id: &VolumeId, gen: u64| {
-            self.backend.holders_in(&snapshot, id, gen).is_empty()
-                && self.backend.holders(id, gen).is_ok_and(|h| h.is_empty())
-        };
+        let mut removed = 0;
         for id in volumes {
             let Ok(_lock) = self.inflight.try_lock(id.as_str()) else {
                 continue;
@@ -56,58 +53,86 @@ impl Controller {
                 continue;
             };
             self.complete_fences_of(&id, &mut v, &snapshot, false);
-            let candidates: Vec<u64> = v
-                .generations
-                .iter()
-                .filter(|(g, m)| **g != v.current_generation && m.fenced_at.is_some())
-                .map(|(g, _)| *g)
-                .collect();
-            let mut changed = false;
-            for gen in candidates {
-                if !released(&id, gen) {
-                    continue;
-                }
-                if let Some(why) = self.only_copy(&id, &v, gen) {
-                    tracing::error!(volume = %id, generation = gen, "fenced generation kept: {why}");
-                    continue;
-                }
-                let late = self.late_write_in(&id, &v, gen);
-                if let Err(e) = self.backend.remove_generation(&id, gen) {
-                    tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
-                    continue;
-                }
-                crate::failpoint::hit("gc:after-remove");
-                v.generations.remove(&gen);
-                v.fenced_from.retain(|_, g| *g != gen);
-                changed = true;
-                removed += 1;
-                tracing::info!(volume = %id, generation = gen, "released fenced generation removed");
-                if let Some(at) = late {
-                    // Counted once: the generation is gone now.
-                    self.fence_metrics.late_write_found();
-                    tracing::error!(volume = %id, generation = gen, offset = at, "the fenced generation had been written past its data after the fence: a write reported done to the fenced node is not in the volume (raise --fence-settle)");
-                }
-            }
-            // Quarantines on a generation that is still current (not yet
-            // republished) lift as soon as nothing holds it.
-            let released: Vec<String> = v
-                .fenced_from
-                .iter()
-                .filter(|(_, g)| released(&id, **g))
-                .map(|(n, _)| n.clone())
-                .collect();
-            for node in released {
-                v.fenced_from.remove(&node);
-                changed = true;
-                tracing::info!(volume = %id, node, "fenced-from mark lifted: the node released the fenced generation");
-            }
-            if changed {
+            let gone = self.remove_released_generations(&id, &mut v, &snapshot);
+            let lifted = self.lift_released_marks(&id, &mut v, &snapshot);
+            removed += gone;
+            if gone + lifted > 0 {
                 if let Err(e) = self.persist(&v) {
                     tracing::error!(volume = %id, error = %e, "cannot record garbage collection");
                 }
             }
         }
         removed
+    }
+
+    /// Whether nothing holds generation `gen`: not in the pass's scan, nor in a fresh one.
+    fn released(&self, snapshot: &[LoopInfo], id: &VolumeId, gen: u64) -> bool {
+        self.backend.holders_in(snapshot, id, gen).is_empty()
+            && self.backend.holders(id, gen).is_ok_and(|h| h.is_empty())
+    }
+
+    /// Removes the volume's fenced, superseded generations that nothing holds and that hold
+    /// no data the current one lacks (the record updated, not written). How many.
+    fn remove_released_generations(
+        &self,
+        id: &VolumeId,
+        v: &mut VolumeMeta,
+        snapshot: &[LoopInfo],
+    ) -> usize {
+        let candidates: Vec<u64> = v
+            .generations
+            .iter()
+            .filter(|(g, m)| **g != v.current_generation && m.fenced_at.is_some())
+            .map(|(g, _)| *g)
+            .collect();
+        let mut removed = 0;
+        for gen in candidates {
+            if !self.released(snapshot, id, gen) {
+                continue;
+            }
+            if let Some(why) = self.only_copy(id, v, gen) {
+                tracing::error!(volume = %id, generation = gen, "fenced generation kept: {why}");
+                continue;
+            }
+            let late = self.late_write_in(id, v, gen);
+            if let Err(e) = self.backend.remove_generation(id, gen) {
+                tracing::warn!(volume = %id, generation = gen, error = %e, "cannot remove fenced generation");
+                continue;
+            }
+            crate::failpoint::hit("gc:after-remove");
+            v.generations.remove(&gen);
+            v.fenced_from.retain(|_, g| *g != gen);
+            removed += 1;
+            tracing::info!(volume = %id, generation = gen, "released fenced generation removed");
+            if let Some(at) = late {
+                // Counted once: the generation is gone now.
+                self.fence_metrics.late_write_found();
+                tracing::error!(volume = %id, generation = gen, offset = at, "the fenced generation had been written past its data after the fence: a write reported done to the fenced node is not in the volume (raise --fence-settle)");
+            }
+        }
+        removed
+    }
+
+    /// Lifts the fenced-from marks on generations nothing holds any more: quarantines on a
+    /// generation that is still current (not yet republished) lift as soon as nothing
+    /// holds it (the record updated, not written). How many.
+    fn lift_released_marks(
+        &self,
+        id: &VolumeId,
+        v: &mut VolumeMeta,
+        snapshot: &[LoopInfo],
+    ) -> usize {
+        let released: Vec<String> = v
+            .fenced_from
+            .iter()
+            .filter(|(_, g)| self.released(snapshot, id, **g))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for node in &released {
+            v.fenced_from.remove(node);
+            tracing::info!(volume = %id, node, "fenced-from mark lifted: the node released the fenced generation");
+        }
+        released.len()
     }
 
     /// Where the fenced generation about to go was written past its data

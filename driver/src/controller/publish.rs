@@ -8,16 +8,16 @@ use std::collections::BTreeMap;
 use fencecsi_proto::v1::*;
 
 use super::Controller;
-use crate::backend::meta::{now_nanos, Attachment, Generation, VolumeMeta};
+use crate::backend::meta::{now_nanos, Attachment, Generation, NodeRecord, VolumeMeta};
 use crate::backend::DataRef;
-use crate::capability;
+use crate::capability::{self, Access};
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{check_token, VolumeId};
 use crate::kernel::loop_device::LoopInfo;
 use crate::locks::PublishLock;
 use crate::terms::{CTX_FS_TYPE, CTX_GENERATION, CTX_READONLY};
 
-use super::fence_policy::plan::{plan_unpublish, tag_node, Scope, UnpublishFacts};
+use super::fence_policy::plan::{plan_unpublish, tag_node, Scope, UnpublishFacts, UnpublishPlan};
 
 impl Controller {
     /// ControllerPublishVolume: records the attachment and hands the node its generation (a new one after a fence).
@@ -25,47 +25,15 @@ impl Controller {
         &self,
         req: ControllerPublishVolumeRequest,
     ) -> CsiResult<ControllerPublishVolumeResponse> {
-        if req.volume_id.is_empty() {
-            return Err(CsiError::InvalidArgument("volume_id is required".into()));
-        }
-        if req.node_id.is_empty() {
-            return Err(CsiError::InvalidArgument("node_id is required".into()));
-        }
-        check_token("node ID", &req.node_id)?;
-        let cap = req
-            .volume_capability
-            .as_ref()
-            .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
-        let access = capability::parse(cap)?;
+        let access = check_publish_request(&req)?;
         let (id, _) = self.existing_volume(&req.volume_id)?;
-        let node = self
-            .store
-            .node(&req.node_id)
-            .map_err(|e| CsiError::internal("reading node registration", e))?;
-        let Some(node) = node else {
-            return Err(CsiError::NotFound(format!(
-                "node {} is not known: no node plugin has registered it",
-                req.node_id
-            )));
-        };
+        let node = self.registered_node(&req.node_id)?;
         let _lock = self.inflight.try_lock(id.as_str())?;
         let mut v = self
             .store
             .volume(&id)
             .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
-        if v.state == crate::backend::meta::VolumeState::Creating {
-            return Err(CsiError::Aborted(format!(
-                "volume {id} is still being created; retry after CreateVolume completes"
-            )));
-        }
-        if let Some(fs) = &access.fs_type {
-            if *fs != v.fs_type {
-                return Err(CsiError::InvalidArgument(format!(
-                    "volume {id} has a {} filesystem, not {fs}",
-                    v.fs_type
-                )));
-            }
-        }
+        check_publishable(&id, &v, &access)?;
         let readonly = req.readonly || access.read_only_mode();
 
         if let Some(a) = v.attachments.get(&req.node_id) {
@@ -90,50 +58,9 @@ impl Controller {
             )));
         }
         self.lift_fenced_from(&id, &mut v, &req.node_id)?;
-        let others: Vec<(&String, &Attachment)> = v.attachments.iter().collect();
-        let shared_read_only =
-            access.multi_node() && readonly && others.iter().all(|(_, a)| a.readonly);
-        if !others.is_empty() && !shared_read_only {
-            return Err(CsiError::FailedPrecondition(format!(
-                "volume {id} is published to node {} and its access mode allows one node only",
-                others
-                    .iter()
-                    .map(|(n, _)| n.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-        let max = if node.max_volumes > 0 {
-            node.max_volumes
-        } else {
-            self.cfg.max_volumes_per_node
-        };
-        if max > 0 && self.store.attachments_on(&req.node_id) as i64 >= max {
-            return Err(CsiError::ResourceExhausted(format!(
-                "node {} already has its maximum of {max} volumes attached",
-                req.node_id
-            )));
-        }
-        // The kernel, not the records, says who holds the generation: a
-        // writable holder that no attachment entitles is fenced first.
-        if !v.current_is_fenced()
-            && !self.backend.fence_marked(&id, v.current_generation)
-            && self.backend.generation_exists(&id, v.current_generation)
-        {
-            self.fence_strays(&id, &mut v, &req.node_id)?;
-        }
-        if self.needs_new_generation(&id, &v) {
-            // The copy must not race a writer: a generation fenced by an
-            // older driver (flag only) or by a fence a crash interrupted may
-            // still have holders over its data.
-            let gen = v.current_generation;
-            if self.backend.generation_exists(&id, gen) {
-                let scan = self.backend.holders(&id, gen)?;
-                self.complete_fence(&id, &mut v, gen, &scan)?;
-            }
-            self.new_generation(&id, &mut v)?;
-            crate::failpoint::hit("cpublish:after-new-generation");
-        }
+        check_single_writer(&id, &v, &access, readonly)?;
+        self.check_node_room(&node, &req.node_id)?;
+        self.generation_for_publish(&id, &mut v, &req.node_id)?;
         let gen = v.current_generation;
         self.backend.ensure_trailer(&id, gen, v.data_bytes(gen))?;
         let a = Attachment {
@@ -146,6 +73,66 @@ impl Controller {
         self.persist(&v)?;
         tracing::info!(volume = %id, node = %req.node_id, generation = a.generation, readonly, "volume published");
         Ok(self.publish_context(&v, &a))
+    }
+
+    /// The node's registration, written by its node plugin; NOT_FOUND without one.
+    fn registered_node(&self, node_id: &str) -> CsiResult<NodeRecord> {
+        let node = self
+            .store
+            .node(node_id)
+            .map_err(|e| CsiError::internal("reading node registration", e))?;
+        node.ok_or_else(|| {
+            CsiError::NotFound(format!(
+                "node {node_id} is not known: no node plugin has registered it"
+            ))
+        })
+    }
+
+    /// RESOURCE_EXHAUSTED when the node already has its maximum of volumes (its own, or
+    /// the driver's default).
+    fn check_node_room(&self, node: &NodeRecord, node_id: &str) -> CsiResult<()> {
+        let max = if node.max_volumes > 0 {
+            node.max_volumes
+        } else {
+            self.cfg.max_volumes_per_node
+        };
+        if max > 0 && self.store.attachments_on(node_id) as i64 >= max {
+            return Err(CsiError::ResourceExhausted(format!(
+                "node {node_id} already has its maximum of {max} volumes attached"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Makes the current generation one the node may be handed: strays fenced, and a new
+    /// generation when the current one is fenced (or its fence begun) or has no image.
+    fn generation_for_publish(
+        &self,
+        id: &VolumeId,
+        v: &mut VolumeMeta,
+        node_id: &str,
+    ) -> CsiResult<()> {
+        // The kernel, not the records, says who holds the generation: a
+        // writable holder that no attachment entitles is fenced first.
+        if !v.current_is_fenced()
+            && !self.backend.fence_marked(id, v.current_generation)
+            && self.backend.generation_exists(id, v.current_generation)
+        {
+            self.fence_strays(id, v, node_id)?;
+        }
+        if self.needs_new_generation(id, v) {
+            // The copy must not race a writer: a generation fenced by an
+            // older driver (flag only) or by a fence a crash interrupted may
+            // still have holders over its data.
+            let gen = v.current_generation;
+            if self.backend.generation_exists(id, gen) {
+                let scan = self.backend.holders(id, gen)?;
+                self.complete_fence(id, v, gen, &scan)?;
+            }
+            self.new_generation(id, v)?;
+            crate::failpoint::hit("cpublish:after-new-generation");
+        }
+        Ok(())
     }
 
     /// The volume's [`PublishLock`], exclusive, or None when a node process
@@ -274,12 +261,7 @@ impl Controller {
         } else {
             vec![req.node_id.clone()]
         };
-        let scan = self.backend.holder_snapshot()?;
-        let holders: BTreeMap<u64, Vec<LoopInfo>> = v
-            .generations
-            .keys()
-            .map(|&gen| (gen, self.backend.holders_in(&scan, &id, gen)))
-            .collect();
+        let holders = self.holders_by_generation(&id, &v)?;
         let plan = plan_unpublish(&UnpublishFacts {
             id: &id,
             record: &v,
@@ -289,40 +271,75 @@ impl Controller {
             holders: &holders,
         });
         if !plan.fences.is_empty() && !self.fence_available() {
-            return Err(CsiError::FailedPrecondition(format!(
-                "volume {id}: {}; the fence is not available on this driver ({})",
-                if req.fence {
-                    "a fence was asked for".to_string()
-                } else {
-                    format!(
-                        "node {} still holds it and must unstage it first",
-                        nodes.join(", ")
-                    )
-                },
-                self.fence_unavailable_reason()
-            )));
+            return Err(self.fence_refused(&id, req.fence, &nodes));
         }
         // Nothing is recorded until every fence succeeded: a failed fence
         // leaves the records as they were (the devices already remapped stay
         // fenced, the safe side; a retry completes the rest).
+        self.make_fences(&id, &v, &plan, &nodes)?;
+        record_unpublish(&id, &mut v, &plan, &nodes);
+        if req.fence && plan.fences.is_empty() {
+            tracing::info!(volume = %id, nodes = ?nodes, "fence requested but nothing holds or is published: nothing can write");
+        }
+        self.persist(&v)?;
+        Ok(ControllerUnpublishVolumeResponse {})
+    }
+
+    /// Who holds each generation of the volume, from one scan of the loop devices.
+    fn holders_by_generation(
+        &self,
+        id: &VolumeId,
+        v: &VolumeMeta,
+    ) -> CsiResult<BTreeMap<u64, Vec<LoopInfo>>> {
+        let scan = self.backend.holder_snapshot()?;
+        Ok(v.generations
+            .keys()
+            .map(|&gen| (gen, self.backend.holders_in(&scan, id, gen)))
+            .collect())
+    }
+
+    /// FAILED_PRECONDITION for an unpublish that needs a fence this driver cannot make.
+    fn fence_refused(&self, id: &VolumeId, requested: bool, nodes: &[String]) -> CsiError {
+        CsiError::FailedPrecondition(format!(
+            "volume {id}: {}; the fence is not available on this driver ({})",
+            if requested {
+                "a fence was asked for".to_string()
+            } else {
+                format!(
+                    "node {} still holds it and must unstage it first",
+                    nodes.join(", ")
+                )
+            },
+            self.fence_unavailable_reason()
+        ))
+    }
+
+    /// Makes every fence of the plan, each logged with why; the first failure ends it.
+    fn make_fences(
+        &self,
+        id: &VolumeId,
+        v: &VolumeMeta,
+        plan: &UnpublishPlan,
+        nodes: &[String],
+    ) -> CsiResult<()> {
         for step in &plan.fences {
             let gen = step.generation;
             let bytes = v.data_bytes(gen);
             let report = match &step.scope {
                 Scope::Whole => self
                     .fence_metrics
-                    .time(|| self.backend.freeze(&id, gen, bytes))?,
+                    .time(|| self.backend.freeze(id, gen, bytes))?,
                 Scope::DevicesExcept(others) => {
                     let pick = |l: &LoopInfo| {
-                        let tag = tag_node(&l.tag, &id, gen);
+                        let tag = tag_node(&l.tag, id, gen);
                         !l.read_only && !others.iter().any(|o| Some(o.as_str()) == tag)
                     };
                     self.fence_metrics
-                        .time(|| self.backend.fence_devices(&id, gen, bytes, &pick))?
+                        .time(|| self.backend.fence_devices(id, gen, bytes, &pick))?
                 }
             };
             let whole = step.scope == Scope::Whole;
-            match step.reason.unrequested_why(&nodes) {
+            match step.reason.unrequested_why(nodes) {
                 Some(why) => {
                     tracing::warn!(volume = %id, generation = gen, nodes = ?nodes, holders = report.fenced.len(), us = report.elapsed.as_micros() as u64, whole, "write fence made: {why}")
                 }
@@ -334,28 +351,88 @@ impl Controller {
         if !plan.fences.is_empty() {
             crate::failpoint::hit("unpublish:after-fence");
         }
-        let now = now_nanos();
-        for step in plan.fences.iter().filter(|s| s.scope == Scope::Whole) {
-            if let Some(g) = v.generations.get_mut(&step.generation) {
-                if g.fenced_at.is_none() {
-                    g.fenced_at = Some(now);
-                    g.fenced_node = Some(nodes.join(","));
-                    g.fence_reason = step.reason.unrequested_why(&nodes);
-                }
+        Ok(())
+    }
+}
+
+/// The request's own checks: ids present and well formed, a capability this driver serves.
+fn check_publish_request(req: &ControllerPublishVolumeRequest) -> CsiResult<Access> {
+    if req.volume_id.is_empty() {
+        return Err(CsiError::InvalidArgument("volume_id is required".into()));
+    }
+    if req.node_id.is_empty() {
+        return Err(CsiError::InvalidArgument("node_id is required".into()));
+    }
+    check_token("node ID", &req.node_id)?;
+    let cap = req
+        .volume_capability
+        .as_ref()
+        .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".into()))?;
+    capability::parse(cap)
+}
+
+/// ABORTED while the volume is still being created; INVALID_ARGUMENT for a filesystem it
+/// does not have.
+fn check_publishable(id: &VolumeId, v: &VolumeMeta, access: &Access) -> CsiResult<()> {
+    if v.state == crate::backend::meta::VolumeState::Creating {
+        return Err(CsiError::Aborted(format!(
+            "volume {id} is still being created; retry after CreateVolume completes"
+        )));
+    }
+    if let Some(fs) = &access.fs_type {
+        if *fs != v.fs_type {
+            return Err(CsiError::InvalidArgument(format!(
+                "volume {id} has a {} filesystem, not {fs}",
+                v.fs_type
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// FAILED_PRECONDITION when the volume is published elsewhere, unless every attachment,
+/// this one too, is read-only under a multi-node access mode.
+fn check_single_writer(
+    id: &VolumeId,
+    v: &VolumeMeta,
+    access: &Access,
+    readonly: bool,
+) -> CsiResult<()> {
+    let others: Vec<(&String, &Attachment)> = v.attachments.iter().collect();
+    let shared_read_only =
+        access.multi_node() && readonly && others.iter().all(|(_, a)| a.readonly);
+    if !others.is_empty() && !shared_read_only {
+        return Err(CsiError::FailedPrecondition(format!(
+            "volume {id} is published to node {} and its access mode allows one node only",
+            others
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the unpublish into the record: the whole fences' time, node and reason (a
+/// generation fenced before keeps its first), the fenced-from marks, the attachments gone.
+fn record_unpublish(id: &VolumeId, v: &mut VolumeMeta, plan: &UnpublishPlan, nodes: &[String]) {
+    let now = now_nanos();
+    for step in plan.fences.iter().filter(|s| s.scope == Scope::Whole) {
+        if let Some(g) = v.generations.get_mut(&step.generation) {
+            if g.fenced_at.is_none() {
+                g.fenced_at = Some(now);
+                g.fenced_node = Some(nodes.join(","));
+                g.fence_reason = step.reason.unrequested_why(nodes);
             }
         }
-        for (node, gen) in &plan.fenced_from {
-            v.fenced_from.insert(node.clone(), *gen);
+    }
+    for (node, gen) in &plan.fenced_from {
+        v.fenced_from.insert(node.clone(), *gen);
+    }
+    for node in nodes {
+        if v.attachments.remove(node).is_some() {
+            tracing::info!(volume = %id, node, fenced = !plan.fences.is_empty(), "volume unpublished");
         }
-        for node in &nodes {
-            if v.attachments.remove(node).is_some() {
-                tracing::info!(volume = %id, node, fenced = !plan.fences.is_empty(), "volume unpublished");
-            }
-        }
-        if req.fence && plan.fences.is_empty() {
-            tracing::info!(volume = %id, nodes = ?nodes, "fence requested but nothing holds or is published: nothing can write");
-        }
-        self.persist(&v)?;
-        Ok(ControllerUnpublishVolumeResponse {})
     }
 }

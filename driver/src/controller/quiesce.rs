@@ -430,6 +430,24 @@ struct Planned {
     fs: FrozenFs,
 }
 
+/// When the operation froze nothing: its record removed, and the watchdog let go (it has
+/// nothing to bound).
+fn drop_record_if_nothing_frozen(q: &Quiesced) {
+    let mut h = q.shared.lock();
+    if !h.frozen.is_empty() {
+        return;
+    }
+    if let Some(files) = h.files.take() {
+        if let Err(e) = files.remove() {
+            tracing::warn!(error = %e, "cannot remove an empty freeze record; the next pass does");
+        }
+    }
+    if h.phase == Phase::Idle {
+        h.phase = Phase::Thawed;
+        q.shared.cv.notify_all();
+    }
+}
+
 impl Controller {
     /// Thaws the freezes of operations that are gone (see the module docs):
     /// for the garbage-collection pass. Returns how many it thawed.
@@ -574,107 +592,115 @@ impl Controller {
         if plan.is_empty() {
             return Ok(running);
         }
+        self.open_freeze_record(operation, members, q)?;
+        q.start_watchdog();
+        for p in plan {
+            if let Some(r) = self.freeze_one(p, members, q)? {
+                running.push(r);
+            }
+        }
+        drop_record_if_nothing_frozen(q);
+        running.sort_by_key(|(i, _)| *i);
+        Ok(running)
+    }
+
+    /// Writes the operation's freeze record, naming no filesystem yet, before any freeze.
+    fn open_freeze_record(
+        &self,
+        operation: &str,
+        members: &[(VolumeId, u64, u64)],
+        q: &Quiesced,
+    ) -> CsiResult<()> {
         let files = RecordFiles::create(&self.cfg.state_dir)
             .map_err(|e| CsiError::internal("making a freeze record", e))?;
         let started_at = now_nanos();
+        let mut h = q.shared.lock();
+        h.files = Some(files);
+        h.record = Some(FreezeRecord {
+            operation: operation.into(),
+            volumes: members.iter().map(|(id, _, _)| id.to_string()).collect(),
+            owner: Owner::current(),
+            started_at,
+            thaw_by: started_at.saturating_add(q.bound.as_nanos() as i64),
+            filesystems: Vec::new(),
+        });
+        h.since = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Freezes one planned filesystem, recorded before it is frozen. None once frozen;
+    /// the member's holder that keeps running, and why, when it cannot be frozen here.
+    fn freeze_one(
+        &self,
+        p: Planned,
+        members: &[(VolumeId, u64, u64)],
+        q: &Quiesced,
+    ) -> CsiResult<Option<(usize, Running)>> {
+        let (id, gen) = (&members[p.member].0, members[p.member].1);
+        let dir = File::open(&p.mount)
+            .map_err(|e| CsiError::internal("opening a mount to freeze it", e))?;
+        // The record names each filesystem before it is frozen, and only
+        // those this operation froze or is freezing now.
         {
             let mut h = q.shared.lock();
-            h.files = Some(files);
-            h.record = Some(FreezeRecord {
-                operation: operation.into(),
-                volumes: members.iter().map(|(id, _, _)| id.to_string()).collect(),
-                owner: Owner::current(),
-                started_at,
-                thaw_by: started_at.saturating_add(q.bound.as_nanos() as i64),
-                filesystems: Vec::new(),
-            });
-            h.since = Some(Instant::now());
-        }
-        q.start_watchdog();
-        for p in plan {
-            let (id, gen) = (&members[p.member].0, members[p.member].1);
-            let dir = File::open(&p.mount)
-                .map_err(|e| CsiError::internal("opening a mount to freeze it", e))?;
-            // The record names each filesystem before it is frozen, and only
-            // those this operation froze or is freezing now.
-            {
-                let mut h = q.shared.lock();
-                if let Some(r) = h.record.as_mut() {
-                    r.filesystems.push(p.fs.clone());
-                }
-                h.rewrite().map_err(|e| {
-                    CsiError::internal("writing a freeze record (its filesystem was not frozen)", e)
-                })?;
-            }
-            let Some(answer) = self.freeze_unless_giving_up(|| ioctl_on(&dir, FIFREEZE)) else {
-                // Dropping `q` thaws what it froze and removes the record.
-                return Err(CsiError::Unavailable(format!(
-                    "volume {id}: the controller plugin is giving up the state dir (it lost its Lease): no freeze starts; retry on the new leader"
-                )));
-            };
-            let mut h = q.shared.lock();
-            let why = match answer {
-                Ok(()) => {
-                    tracing::info!(volume = %id, generation = gen, mount = %p.mount.display(), "filesystem frozen for a point-in-time copy");
-                    h.frozen.push((dir, p.mount, p.fs));
-                    if matches!(h.phase, Phase::Expired | Phase::Interrupted) {
-                        // The bound passed (or someone thawed a member) while this
-                        // FIFREEZE ran.
-                        h.thaw_all("the freeze bound passed");
-                        drop(h);
-                        return Err(q.expiry_refusal(id));
-                    }
-                    h.phase = Phase::Frozen;
-                    continue;
-                }
-                // Frozen by someone else already: they may thaw it in the
-                // middle of our copy, so it counts as still written (a reflink
-                // is then required, or the copy is refused). Not ours: out of
-                // the record at once, so no recovery pass thaws it.
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                    tracing::warn!(volume = %id, mount = %p.mount.display(), "filesystem already frozen by someone else (FIFREEZE answered EBUSY): left as it is");
-                    Why::AlreadyFrozen(p.mount.clone())
-                }
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOTTY)) => {
-                    Why::CannotFreeze(p.mount.clone())
-                }
-                Err(e) => {
-                    return Err(CsiError::internal(
-                        &format!("freezing {} for a point-in-time copy", p.mount.display()),
-                        e,
-                    ))
-                }
-            };
             if let Some(r) = h.record.as_mut() {
-                r.filesystems.retain(|f| f != &p.fs);
+                r.filesystems.push(p.fs.clone());
             }
-            h.rewrite()
-                .map_err(|e| CsiError::internal("rewriting a freeze record", e))?;
-            running.push((
-                p.member,
-                Running {
-                    device: p.fs.device.clone(),
-                    why,
-                },
-            ));
+            h.rewrite().map_err(|e| {
+                CsiError::internal("writing a freeze record (its filesystem was not frozen)", e)
+            })?;
         }
-        {
-            let mut h = q.shared.lock();
-            if h.frozen.is_empty() {
-                if let Some(files) = h.files.take() {
-                    if let Err(e) = files.remove() {
-                        tracing::warn!(error = %e, "cannot remove an empty freeze record; the next pass does");
-                    }
+        let Some(answer) = self.freeze_unless_giving_up(|| ioctl_on(&dir, FIFREEZE)) else {
+            // Dropping `q` thaws what it froze and removes the record.
+            return Err(CsiError::Unavailable(format!(
+                "volume {id}: the controller plugin is giving up the state dir (it lost its Lease): no freeze starts; retry on the new leader"
+            )));
+        };
+        let mut h = q.shared.lock();
+        let why = match answer {
+            Ok(()) => {
+                tracing::info!(volume = %id, generation = gen, mount = %p.mount.display(), "filesystem frozen for a point-in-time copy");
+                h.frozen.push((dir, p.mount, p.fs));
+                if matches!(h.phase, Phase::Expired | Phase::Interrupted) {
+                    // The bound passed (or someone thawed a member) while this
+                    // FIFREEZE ran.
+                    h.thaw_all("the freeze bound passed");
+                    drop(h);
+                    return Err(q.expiry_refusal(id));
                 }
-                if h.phase == Phase::Idle {
-                    // Nothing was frozen: the watchdog has nothing to bound.
-                    h.phase = Phase::Thawed;
-                    q.shared.cv.notify_all();
-                }
+                h.phase = Phase::Frozen;
+                return Ok(None);
             }
+            // Frozen by someone else already: they may thaw it in the
+            // middle of our copy, so it counts as still written (a reflink
+            // is then required, or the copy is refused). Not ours: out of
+            // the record at once, so no recovery pass thaws it.
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                tracing::warn!(volume = %id, mount = %p.mount.display(), "filesystem already frozen by someone else (FIFREEZE answered EBUSY): left as it is");
+                Why::AlreadyFrozen(p.mount.clone())
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOTTY)) => {
+                Why::CannotFreeze(p.mount.clone())
+            }
+            Err(e) => {
+                return Err(CsiError::internal(
+                    &format!("freezing {} for a point-in-time copy", p.mount.display()),
+                    e,
+                ))
+            }
+        };
+        if let Some(r) = h.record.as_mut() {
+            r.filesystems.retain(|f| f != &p.fs);
         }
-        running.sort_by_key(|(i, _)| *i);
-        Ok(running)
+        h.rewrite()
+            .map_err(|e| CsiError::internal("rewriting a freeze record", e))?;
+        Ok(Some((
+            p.member,
+            Running {
+                device: p.fs.device.clone(),
+                why,
+            },
+        )))
     }
 
     /// What to freeze of each member's writing holders, and the holders that

@@ -14,7 +14,8 @@ use fencecsi_proto::v1::*;
 use super::Controller;
 use crate::backend::meta::{now_nanos, SnapshotMeta};
 use crate::error::{CsiError, CsiResult};
-use crate::ids::{Parsed, SnapshotId};
+use crate::ids::{Parsed, SnapshotId, VolumeId};
+use crate::kernel::files::CloneKind;
 
 pub(super) fn timestamp(nanos: i64) -> prost_types::Timestamp {
     prost_types::Timestamp {
@@ -101,29 +102,7 @@ impl Controller {
             self.ensure_capacity(bytes, &format!("a snapshot of volume {vid}"))?;
             self.store.reserve(bytes)
         };
-        let (origin, size) = {
-            // Writers stop (or the copy is a reflink) until the copy has
-            // read the volume, at most --max-freeze (see quiesce).
-            let quiet = self.quiesce(&vid, gen, bytes)?;
-            crate::failpoint::pause("snapshot:before-copy", vid.as_str());
-            let made = match self
-                .backend
-                .snapshot(&vid, gen, bytes, &sid, &quiet.window(true))
-            {
-                Ok(made) => made,
-                Err(e) => {
-                    let e = quiet.explain(&vid, e.into());
-                    drop(quiet);
-                    let _ = self.backend.delete_snapshot(&sid);
-                    return Err(e);
-                }
-            };
-            if let Err(e) = quiet.refuse_torn(&vid, made.0) {
-                let _ = self.backend.delete_snapshot(&sid);
-                return Err(e);
-            }
-            made
-        };
+        let (origin, size) = self.copy_quiesced(&vid, gen, bytes, &sid)?;
         crate::failpoint::hit("snapshot:after-copy");
         let meta = SnapshotMeta {
             id: sid.to_string(),
@@ -143,6 +122,37 @@ impl Controller {
         Ok(CreateSnapshotResponse {
             snapshot: Some(to_csi(&meta)),
         })
+    }
+
+    /// Copies generation `gen` of the volume into snapshot `sid` with its writers stopped
+    /// (or as a reflink) until the copy has read it, at most --max-freeze (see quiesce);
+    /// a copy that failed or may be torn is deleted.
+    fn copy_quiesced(
+        &self,
+        vid: &VolumeId,
+        gen: u64,
+        bytes: u64,
+        sid: &SnapshotId,
+    ) -> CsiResult<(CloneKind, u64)> {
+        let quiet = self.quiesce(vid, gen, bytes)?;
+        crate::failpoint::pause("snapshot:before-copy", vid.as_str());
+        let made = match self
+            .backend
+            .snapshot(vid, gen, bytes, sid, &quiet.window(true))
+        {
+            Ok(made) => made,
+            Err(e) => {
+                let e = quiet.explain(vid, e.into());
+                drop(quiet);
+                let _ = self.backend.delete_snapshot(sid);
+                return Err(e);
+            }
+        };
+        if let Err(e) = quiet.refuse_torn(vid, made.0) {
+            let _ = self.backend.delete_snapshot(sid);
+            return Err(e);
+        }
+        Ok(made)
     }
 
     /// DeleteSnapshot.

@@ -38,6 +38,12 @@ const LEGACY_LOCK: &str = "controller.lock";
 /// call completes after the successor started; see docs/lifecycle.md, "Locks").
 pub const TAKEOVER_WAIT: Duration = Duration::from_secs(3);
 
+/// Where the leading controller serves the whole plugin for its standbys: beside the
+/// ownership lock, in the state dir, which every replica sees on this one kernel.
+pub fn leader_socket(state_dir: &Path) -> PathBuf {
+    state_dir.join(OWNER_DIR).join("leader.sock")
+}
+
 /// How many times an acquisition starts again when another maker took the number it
 /// wanted (only a second successor racing, which leader election makes rare).
 const RACES: usize = 8;

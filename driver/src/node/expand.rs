@@ -3,9 +3,11 @@
 use fencecsi_proto::v1::*;
 
 use super::Node;
+use crate::backend::meta::VolumeMeta;
 use crate::error::{CsiError, CsiResult};
+use crate::ids::VolumeId;
 use crate::kernel::filesystem;
-use crate::kernel::loop_device;
+use crate::kernel::loop_device::{self, LoopInfo};
 use crate::kernel::mounts::{self, PathState};
 
 impl Node {
@@ -36,8 +38,33 @@ impl Node {
                 path.display()
             )));
         }
+        let lo = self.growable_device(&id, &meta)?;
+        let size = lo.size_bytes;
+        if std::fs::metadata(&path)
+            .map(|m| m.is_dir())
+            .unwrap_or(false)
+        {
+            filesystem::grow(&lo.device, &path, &meta.fs_type).map_err(|e| match e {
+                filesystem::FsError::MissingCapability { .. } => CsiError::FailedPrecondition(format!(
+                    "{e}: online ext4 resize is not possible in this process; the filesystem grows to the new size at the next NodeStageVolume"
+                )),
+                e => CsiError::internal("growing the filesystem", e),
+            })?;
+        }
+        tracing::info!(volume = %id, size, "volume expanded on node");
+        Ok(NodeExpandVolumeResponse {
+            capacity_bytes: size as i64,
+        })
+    }
+
+    /// This node's device for the current, unfenced generation, checked to show the whole
+    /// data and no fence. The controller widened it when it grew the volume
+    /// (ControllerExpandVolume): nodes never remap a device, so a node that hangs here
+    /// cannot undo a fence. A fenced device (a window, or a generation fenced whole) is
+    /// never grown into.
+    fn growable_device(&self, id: &VolumeId, meta: &VolumeMeta) -> CsiResult<LoopInfo> {
         let current = self
-            .loops_of(&id)?
+            .loops_of(id)?
             .into_iter()
             .filter(|(_, g)| {
                 meta.generations
@@ -53,11 +80,7 @@ impl Node {
                 "volume {id} was fenced away from this node: it is not expanded here"
             )));
         }
-        // The controller widened the device when it grew the volume
-        // (ControllerExpandVolume): nodes never remap a device, so a node that
-        // hangs here cannot undo a fence. A fenced device (a window, or a
-        // generation fenced whole) is never grown into.
-        let image = self.generation_path(&id, gen);
+        let image = self.generation_path(id, gen);
         let lo = loop_device::status(&lo.device)
             .map_err(|e| CsiError::internal("reading the loop device", e))?;
         if lo.offset != 0
@@ -77,21 +100,6 @@ impl Node {
                 meta.data_bytes(gen)
             )));
         }
-        let size = lo.size_bytes;
-        if std::fs::metadata(&path)
-            .map(|m| m.is_dir())
-            .unwrap_or(false)
-        {
-            filesystem::grow(&lo.device, &path, &meta.fs_type).map_err(|e| match e {
-                filesystem::FsError::MissingCapability { .. } => CsiError::FailedPrecondition(format!(
-                    "{e}: online ext4 resize is not possible in this process; the filesystem grows to the new size at the next NodeStageVolume"
-                )),
-                e => CsiError::internal("growing the filesystem", e),
-            })?;
-        }
-        tracing::info!(volume = %id, size, "volume expanded on node");
-        Ok(NodeExpandVolumeResponse {
-            capacity_bytes: size as i64,
-        })
+        Ok(lo)
     }
 }

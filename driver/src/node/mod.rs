@@ -158,6 +158,13 @@ impl Node {
     }
 }
 
+/// The mount on top at `path` (the one a lookup there sees), if any.
+pub(crate) fn top_mount(path: &Path) -> CsiResult<Option<crate::kernel::mounts::MountEntry>> {
+    Ok(crate::kernel::mounts::mounts_at(path)
+        .map_err(|e| CsiError::internal("reading the mount table", e))?
+        .pop())
+}
+
 /// Removes a directory we may have created, only if empty; a file only if
 /// it is a plain file or device node (block targets). Never recursive.
 pub(crate) fn remove_target(path: &Path) -> CsiResult<()> {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use fencecsi_proto::v1::*;
 
 use super::stage::{block_staging_file, rdev};
-use super::{ephemeral, remove_target, Node};
+use super::{ephemeral, remove_target, top_mount, Node};
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
@@ -62,53 +62,11 @@ impl Node {
                 staging.display()
             )));
         }
-        let mut want = self.source_device(&source, access.block)?;
-        let mut source = source;
-        if access.block && readonly {
-            // A read-only bind mount does not stop writes through a device
-            // node (the kernel checks MNT_RDONLY on regular files and
-            // directories only): a read-only target on a writable attachment
-            // gets a read-only loop device of its own on the same generation.
-            if let Some(twin) = self.read_only_twin(&id, want)? {
-                want = rdev(&twin)
-                    .map_err(|e| CsiError::internal("inspecting the read-only loop device", e))?;
-                source = twin;
-            }
+        let (source, want) = self.publish_source(&id, source, access.block, readonly)?;
+        if already_published(&target, want, access.block, readonly)? {
+            return Ok(NodePublishVolumeResponse {});
         }
-
-        if let Some(m) = mounts::mounts_at(&target)
-            .map_err(|e| CsiError::internal("reading the mount table", e))?
-            .last()
-        {
-            // A bind of a device node shows devtmpfs in the mount table:
-            // compare the device the target node stands for instead.
-            let have = if access.block {
-                rdev(&target).ok()
-            } else {
-                Some((m.major, m.minor))
-            };
-            if have == Some(want) && m.read_only == readonly {
-                return Ok(NodePublishVolumeResponse {});
-            }
-            return Err(CsiError::AlreadyExists(format!(
-                "{} is already mounted from another source or with read_only={}",
-                target.display(),
-                m.read_only
-            )));
-        }
-        if access.block {
-            if let Some(parent) = target.parent() {
-                std::fs::create_dir_all(parent)
-                    .map_err(|e| CsiError::internal("creating the target's parent", e))?;
-            }
-            if !target.exists() {
-                std::fs::File::create(&target)
-                    .map_err(|e| CsiError::internal("creating the block target file", e))?;
-            }
-        } else {
-            std::fs::create_dir_all(&target)
-                .map_err(|e| CsiError::internal("creating the target dir", e))?;
-        }
+        make_target(&target, access.block)?;
         crate::failpoint::hit("publish:after-mkdir");
         mounts::bind_mount(&source, &target, readonly, &access.mount_flags).map_err(|e| {
             CsiError::internal(
@@ -119,6 +77,29 @@ impl Node {
         crate::failpoint::hit("publish:after-bind");
         tracing::info!(volume = %id, target = %target.display(), readonly, block = access.block, "volume published");
         Ok(NodePublishVolumeResponse {})
+    }
+
+    /// What the target is bound from, and the device it must show: the staged mount or
+    /// device file, or for a read-only raw block target on a writable attachment a
+    /// read-only loop device of its own on the same generation (a read-only bind mount
+    /// does not stop writes through a device node: the kernel checks MNT_RDONLY on
+    /// regular files and directories only).
+    fn publish_source(
+        &self,
+        id: &VolumeId,
+        staged: PathBuf,
+        block: bool,
+        readonly: bool,
+    ) -> CsiResult<(PathBuf, (u32, u32))> {
+        let want = self.source_device(&staged, block)?;
+        if block && readonly {
+            if let Some(twin) = self.read_only_twin(id, want)? {
+                let want = rdev(&twin)
+                    .map_err(|e| CsiError::internal("inspecting the read-only loop device", e))?;
+                return Ok((twin, want));
+            }
+        }
+        Ok((staged, want))
     }
 
     /// For a read-only raw block target: a read-only loop device on the
@@ -201,4 +182,51 @@ impl Node {
         tracing::info!(volume = %id, target = %target.display(), force = req.force, "volume unpublished");
         Ok(NodeUnpublishVolumeResponse {})
     }
+}
+
+/// Whether the target already shows device `want` with this read-only flag (a retry:
+/// done); ALREADY_EXISTS when it shows anything else.
+fn already_published(
+    target: &Path,
+    want: (u32, u32),
+    block: bool,
+    readonly: bool,
+) -> CsiResult<bool> {
+    let Some(m) = top_mount(target)? else {
+        return Ok(false);
+    };
+    // A bind of a device node shows devtmpfs in the mount table:
+    // compare the device the target node stands for instead.
+    let have = if block {
+        rdev(target).ok()
+    } else {
+        Some((m.major, m.minor))
+    };
+    if have == Some(want) && m.read_only == readonly {
+        return Ok(true);
+    }
+    Err(CsiError::AlreadyExists(format!(
+        "{} is already mounted from another source or with read_only={}",
+        target.display(),
+        m.read_only
+    )))
+}
+
+/// The target a bind mount needs: a file for a raw block volume (its parent made), a
+/// directory for a filesystem.
+fn make_target(target: &Path, block: bool) -> CsiResult<()> {
+    if block {
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| CsiError::internal("creating the target's parent", e))?;
+        }
+        if !target.exists() {
+            std::fs::File::create(target)
+                .map_err(|e| CsiError::internal("creating the block target file", e))?;
+        }
+    } else {
+        std::fs::create_dir_all(target)
+            .map_err(|e| CsiError::internal("creating the target dir", e))?;
+    }
+    Ok(())
 }

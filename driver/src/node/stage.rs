@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use fencecsi_proto::v1::*;
 
-use super::{remove_target, Node};
+use super::{remove_target, top_mount, Node};
 use crate::backend::meta::VolumeMeta;
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
@@ -158,41 +158,14 @@ impl Node {
 
         self.refuse_second_staging(&id, &staging)?;
         crate::failpoint::pause("stage:before-attach", &staging.to_string_lossy());
-        let lo = {
-            // The record read above may be stale by now: an unpublish (with
-            // no holder to fence) and a publish to another node may have
-            // happened since. Checked again under the lock the controller
-            // holds for those, and attached before it is let go, so the
-            // controller either sees this device or this stage sees the change.
-            let _publish_lock = PublishLock::take_for_rpc(
-                &self.cfg.state_dir,
-                &id,
-                false,
-                "locking the volume's attachments",
-            )?;
-            let meta = self
-                .read_meta(&id)?
-                .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
-            let now = self.published_generation(&id, &meta, &req.publish_context)?;
-            if now != (gen, recorded_ro) {
-                return Err(CsiError::FailedPrecondition(format!(
-                    "the controller changed the attachment of volume {id} to node {} while it was being staged; nothing was attached",
-                    self.node_id
-                )));
-            }
-            crate::failpoint::pause("stage:locked-before-attach", &staging.to_string_lossy());
-            let opts = AttachOptions {
-                read_only: readonly,
-                direct_io: meta.direct_io().unwrap_or(self.cfg.direct_io),
-                tag: loop_tag(&id, gen, &self.node_id),
-                size_limit: meta.data_bytes(gen),
-                logical_block_size: 0,
-            };
-            let key = staging.to_string_lossy();
-            let lo = self.find_or_attach(&id, gen, &image, opts, &key)?;
-            self.refuse_attach_a_fence_overtook(&id, gen, &image, &lo, meta.data_bytes(gen))?;
-            lo
-        };
+        let lo = self.attach_published(
+            &id,
+            (gen, recorded_ro),
+            readonly,
+            &image,
+            &staging,
+            &req.publish_context,
+        )?;
         crate::failpoint::hit("stage:after-attach");
         if access.block {
             self.stage_block(&id, &staging, &lo)?;
@@ -207,6 +180,49 @@ impl Node {
         crate::failpoint::hit("stage:after-mount");
         tracing::info!(volume = %id, generation = gen, device = %lo.device.display(), staging = %staging.display(), block = access.block, readonly, "volume staged");
         Ok(NodeStageVolumeResponse {})
+    }
+
+    /// Attaches the published generation, checked again under the volume's publish lock:
+    /// the record read before may be stale by now (an unpublish with no holder to fence
+    /// and a publish to another node may have happened since). Attached before the lock is
+    /// let go, so the controller either sees this device or this stage sees the change.
+    fn attach_published(
+        &self,
+        id: &VolumeId,
+        published: (u64, bool),
+        readonly: bool,
+        image: &Path,
+        staging: &Path,
+        ctx: &std::collections::HashMap<String, String>,
+    ) -> CsiResult<LoopInfo> {
+        let gen = published.0;
+        let _publish_lock = PublishLock::take_for_rpc(
+            &self.cfg.state_dir,
+            id,
+            false,
+            "locking the volume's attachments",
+        )?;
+        let meta = self
+            .read_meta(id)?
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        if self.published_generation(id, &meta, ctx)? != published {
+            return Err(CsiError::FailedPrecondition(format!(
+                "the controller changed the attachment of volume {id} to node {} while it was being staged; nothing was attached",
+                self.node_id
+            )));
+        }
+        crate::failpoint::pause("stage:locked-before-attach", &staging.to_string_lossy());
+        let opts = AttachOptions {
+            read_only: readonly,
+            direct_io: meta.direct_io().unwrap_or(self.cfg.direct_io),
+            tag: loop_tag(id, gen, &self.node_id),
+            size_limit: meta.data_bytes(gen),
+            logical_block_size: 0,
+        };
+        let key = staging.to_string_lossy();
+        let lo = self.find_or_attach(id, gen, image, opts, &key)?;
+        self.refuse_attach_a_fence_overtook(id, gen, image, &lo, meta.data_bytes(gen))?;
+        Ok(lo)
     }
 
     /// The generation the controller's record publishes to this node, and
@@ -379,54 +395,10 @@ impl Node {
         readonly: bool,
         flags: &[String],
     ) -> CsiResult<()> {
-        let (major, minor) =
-            rdev(&lo.device).map_err(|e| CsiError::internal("inspecting the loop device", e))?;
-        let here = mounts::mounts_at(staging)
-            .map_err(|e| CsiError::internal("reading the mount table", e))?;
-        if let Some(m) = here.last() {
-            if (m.major, m.minor) == (major, minor) {
-                if m.fs_type != fs {
-                    return Err(CsiError::AlreadyExists(format!(
-                        "{} is already staged with {}, not {fs}",
-                        staging.display(),
-                        m.fs_type
-                    )));
-                }
-                return Ok(());
-            }
-            return Err(CsiError::AlreadyExists(format!(
-                "{} already has another filesystem mounted ({})",
-                staging.display(),
-                m.source
-            )));
+        if already_staged(staging, lo, fs)? {
+            return Ok(());
         }
-        match filesystem::probe(&lo.device)
-            .map_err(|e| CsiError::internal("probing the device", e))?
-        {
-            FsKind::Blank if readonly => {
-                return Err(CsiError::FailedPrecondition(
-                    "the volume is blank and attached read-only: it cannot be formatted".into(),
-                ))
-            }
-            FsKind::Blank => {
-                filesystem::mkfs(&lo.device, fs)
-                    .map_err(|e| CsiError::internal(&format!("mkfs.{fs}"), e))?;
-                tracing::info!(device = %lo.device.display(), fs, "filesystem created on blank volume");
-                crate::failpoint::hit("stage:after-mkfs");
-            }
-            FsKind::Ext4 if fs == "ext4" => {
-                if !readonly {
-                    grow_ext4_to_device(&lo.device)?;
-                }
-            }
-            // xfs grows only mounted: see after the mount.
-            FsKind::Xfs if fs == "xfs" => {}
-            other => {
-                return Err(CsiError::FailedPrecondition(format!(
-                    "the volume holds {other:?}, not {fs}; refusing to mount or format it"
-                )))
-            }
-        }
+        ready_filesystem(lo, fs, readonly)?;
         std::fs::create_dir_all(staging)
             .map_err(|e| CsiError::internal("creating the staging dir", e))?;
         crate::failpoint::hit("stage:after-mkdir");
@@ -633,5 +605,58 @@ impl Node {
                 }
             }
         }
+    }
+}
+
+/// Whether `staging` already has this device mounted with `fs` (a retry: done);
+/// ALREADY_EXISTS when it has anything else.
+fn already_staged(staging: &Path, lo: &LoopInfo, fs: &str) -> CsiResult<bool> {
+    let (major, minor) =
+        rdev(&lo.device).map_err(|e| CsiError::internal("inspecting the loop device", e))?;
+    let Some(m) = top_mount(staging)? else {
+        return Ok(false);
+    };
+    if (m.major, m.minor) != (major, minor) {
+        return Err(CsiError::AlreadyExists(format!(
+            "{} already has another filesystem mounted ({})",
+            staging.display(),
+            m.source
+        )));
+    }
+    if m.fs_type != fs {
+        return Err(CsiError::AlreadyExists(format!(
+            "{} is already staged with {}, not {fs}",
+            staging.display(),
+            m.fs_type
+        )));
+    }
+    Ok(true)
+}
+
+/// The device holds filesystem `fs`, ready to mount: made on a blank volume, an ext4
+/// grown to the device (xfs grows only mounted); anything else is refused.
+fn ready_filesystem(lo: &LoopInfo, fs: &str, readonly: bool) -> CsiResult<()> {
+    match filesystem::probe(&lo.device).map_err(|e| CsiError::internal("probing the device", e))? {
+        FsKind::Blank if readonly => Err(CsiError::FailedPrecondition(
+            "the volume is blank and attached read-only: it cannot be formatted".into(),
+        )),
+        FsKind::Blank => {
+            filesystem::mkfs(&lo.device, fs)
+                .map_err(|e| CsiError::internal(&format!("mkfs.{fs}"), e))?;
+            tracing::info!(device = %lo.device.display(), fs, "filesystem created on blank volume");
+            crate::failpoint::hit("stage:after-mkfs");
+            Ok(())
+        }
+        FsKind::Ext4 if fs == "ext4" => {
+            if !readonly {
+                grow_ext4_to_device(&lo.device)?;
+            }
+            Ok(())
+        }
+        // xfs grows only mounted: see after the mount.
+        FsKind::Xfs if fs == "xfs" => Ok(()),
+        other => Err(CsiError::FailedPrecondition(format!(
+            "the volume holds {other:?}, not {fs}; refusing to mount or format it"
+        ))),
     }
 }

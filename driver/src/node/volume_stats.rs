@@ -7,7 +7,9 @@ use fencecsi_proto::v1::volume_usage::Unit;
 use fencecsi_proto::v1::*;
 
 use super::Node;
+use crate::backend::meta::VolumeMeta;
 use crate::error::{CsiError, CsiResult};
+use crate::ids::VolumeId;
 use crate::kernel::filesystem;
 use crate::kernel::mounts::{self, PathState};
 
@@ -54,7 +56,21 @@ impl Node {
         let Some(meta) = meta else {
             return Err(CsiError::NotFound(format!("volume {id} does not exist")));
         };
-        let loops = self.loops_of(&id)?;
+        let volume_condition = self.device_condition(&id, &meta)?;
+        Ok(NodeGetVolumeStatsResponse {
+            usage: path_usage(&path)?,
+            volume_condition,
+        })
+    }
+
+    /// Whether this node's devices for the volume are healthy: there is one, none is on a
+    /// fenced generation, and each generation's image is still there.
+    fn device_condition(
+        &self,
+        id: &VolumeId,
+        meta: &VolumeMeta,
+    ) -> CsiResult<Option<VolumeCondition>> {
+        let loops = self.loops_of(id)?;
         let mut problems = Vec::new();
         if loops.is_empty() {
             problems.push("no loop device is attached for this volume on this node".to_string());
@@ -70,39 +86,36 @@ impl Node {
                     lo.device.display()
                 ));
             }
-            if !self.generation_path(&id, *gen).exists() {
+            if !self.generation_path(id, *gen).exists() {
                 problems.push(format!("the image of generation {gen} is gone"));
             }
         }
-        let volume_condition = condition(
+        Ok(condition(
             !problems.is_empty(),
             if problems.is_empty() {
                 "healthy".into()
             } else {
                 problems.join("; ")
             },
-        );
-
-        let is_dir = std::fs::metadata(&path)
-            .map(|m| m.is_dir())
-            .unwrap_or(false);
-        let usage = if is_dir {
-            fs_usage(&path)?
-        } else {
-            let total = filesystem::block_device_size(&path)
-                .map_err(|e| CsiError::internal("reading the block device size", e))?;
-            vec![VolumeUsage {
-                available: 0,
-                total: total as i64,
-                used: 0,
-                unit: Unit::Bytes as i32,
-            }]
-        };
-        Ok(NodeGetVolumeStatsResponse {
-            usage,
-            volume_condition,
-        })
+        ))
     }
+}
+
+/// The usage at a published path: bytes and inodes of a filesystem, the size of a block
+/// device.
+fn path_usage(path: &Path) -> CsiResult<Vec<VolumeUsage>> {
+    let is_dir = std::fs::metadata(path).map(|m| m.is_dir()).unwrap_or(false);
+    if is_dir {
+        return fs_usage(path);
+    }
+    let total = filesystem::block_device_size(path)
+        .map_err(|e| CsiError::internal("reading the block device size", e))?;
+    Ok(vec![VolumeUsage {
+        available: 0,
+        total: total as i64,
+        used: 0,
+        unit: Unit::Bytes as i32,
+    }])
 }
 
 /// A volume condition, as the stats answer carries it.

@@ -55,10 +55,11 @@ use std::path::Path;
 use fencecsi_proto::v1::*;
 
 use super::stage::{device_users, rdev};
-use super::{remove_target, Node};
+use super::{remove_target, top_mount, Node};
 use crate::capability;
 use crate::error::{CsiError, CsiResult};
 use crate::ids::{Parsed, VolumeId};
+use crate::kernel::loop_device::LoopInfo;
 use crate::kernel::mounts;
 use build::remove_dir;
 use names::is_kubelet_ephemeral_id;
@@ -105,36 +106,8 @@ impl Node {
         let _lock = self.inflight.try_lock(eph.lock_key())?;
         let loops = self.eph_loops(&eph)?;
 
-        if let Some(m) = mounts::mounts_at(&target)
-            .map_err(|e| CsiError::internal("reading the mount table", e))?
-            .last()
-        {
-            let ours = loops
-                .iter()
-                .find(|l| rdev(&l.device).ok() == Some((m.major, m.minor)));
-            return match ours {
-                Some(lo)
-                    if lo.size_bytes == params.size
-                        && m.fs_type == params.fs_type
-                        && m.read_only == readonly =>
-                {
-                    Ok(NodePublishVolumeResponse {})
-                }
-                Some(lo) => Err(CsiError::AlreadyExists(format!(
-                    "ephemeral volume {id} is already published at {} with size {} bytes, {}, read_only={}; this call asks for {} bytes, {}, read_only={readonly}",
-                    target.display(),
-                    lo.size_bytes,
-                    m.fs_type,
-                    m.read_only,
-                    params.size,
-                    params.fs_type
-                ))),
-                None => Err(CsiError::AlreadyExists(format!(
-                    "{} is already mounted from another source ({})",
-                    target.display(),
-                    m.source
-                ))),
-            };
+        if already_published(id, &target, &loops, &params, readonly)? {
+            return Ok(NodePublishVolumeResponse {});
         }
         for lo in &loops {
             let users = device_users(&lo.device)?;
@@ -279,5 +252,45 @@ impl Node {
                 },
             ),
         })
+    }
+}
+
+/// Whether the target already shows this ephemeral volume as asked (a retry: done);
+/// ALREADY_EXISTS when it shows it otherwise, or anything else.
+fn already_published(
+    id: &str,
+    target: &Path,
+    loops: &[LoopInfo],
+    params: &Params,
+    readonly: bool,
+) -> CsiResult<bool> {
+    let Some(m) = top_mount(target)? else {
+        return Ok(false);
+    };
+    let ours = loops
+        .iter()
+        .find(|l| rdev(&l.device).ok() == Some((m.major, m.minor)));
+    match ours {
+        Some(lo)
+            if lo.size_bytes == params.size
+                && m.fs_type == params.fs_type
+                && m.read_only == readonly =>
+        {
+            Ok(true)
+        }
+        Some(lo) => Err(CsiError::AlreadyExists(format!(
+            "ephemeral volume {id} is already published at {} with size {} bytes, {}, read_only={}; this call asks for {} bytes, {}, read_only={readonly}",
+            target.display(),
+            lo.size_bytes,
+            m.fs_type,
+            m.read_only,
+            params.size,
+            params.fs_type
+        ))),
+        None => Err(CsiError::AlreadyExists(format!(
+            "{} is already mounted from another source ({})",
+            target.display(),
+            m.source
+        ))),
     }
 }
