@@ -15,6 +15,7 @@ use fencecsi_driver::kernel::mounts;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType, VolumeSource};
+use fencecsi_tests::rig::stage_request;
 use fencecsi_tests::{block_cap, csi, mount_cap, require_root, Access, Env, InProcess};
 use tonic::Code;
 
@@ -215,13 +216,7 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
     let target = env.target_path("node-a", "pod-1", "pv");
     std::fs::create_dir_all(target.parent().unwrap()).unwrap();
     c.node
-        .node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: id.clone(),
-            publish_context: ctx.clone(),
-            staging_target_path: s(&staging),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
+        .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
         .await
         .unwrap();
     let escapes = vec![
@@ -486,13 +481,7 @@ async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
     // Staged and published for real, so that the refusals below are about
     // the paths alone and there is live state to disturb.
     c.node
-        .node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: id.clone(),
-            publish_context: ctx.clone(),
-            staging_target_path: s(&staging),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
+        .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
         .await
         .unwrap();
     let publish = |target: &str, staging_path: &str| csi::NodePublishVolumeRequest {
@@ -811,13 +800,8 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
     let before = world(&env, &[]);
     for (what, cap) in unsupported_caps() {
         assert_code!(
-            c.node.node_stage_volume(csi::NodeStageVolumeRequest {
-                volume_id: id.clone(),
-                publish_context: ctx.clone(),
-                staging_target_path: s(&staging),
-                volume_capability: Some(cap.clone()),
-                ..Default::default()
-            }),
+            c.node
+                .node_stage_volume(stage_request(&id, &staging, &cap, &ctx)),
             Code::InvalidArgument,
             what
         );

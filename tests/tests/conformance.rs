@@ -21,6 +21,7 @@ use fencecsi_tests::csi::plugin_capability::service::Type as Svc;
 use fencecsi_tests::csi::plugin_capability::volume_expansion::Type as Expansion;
 use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType, VolumeSource};
 use fencecsi_tests::csi::volume_usage::Unit;
+use fencecsi_tests::rig::stage_request;
 use fencecsi_tests::{
     block_cap, csi, mount_cap, require_root, sha256_file, Access, Env, InProcess,
 };
@@ -130,19 +131,26 @@ async fn cpublish(
         .publish_context
 }
 
-fn stage_req(
-    staging: &Path,
-    vol: &str,
+/// Where a volume is attached to node-a and staged there.
+struct Staged {
+    ctx: HashMap<String, String>,
+    staging: PathBuf,
+}
+
+/// ControllerPublish of `id` to node-a (read-write), then NodeStage at its staging path.
+async fn attach_and_stage(
+    env: &Env,
+    c: &mut CsiClient,
+    id: &str,
     cap: &csi::VolumeCapability,
-    ctx: &HashMap<String, String>,
-) -> csi::NodeStageVolumeRequest {
-    csi::NodeStageVolumeRequest {
-        volume_id: vol.into(),
-        publish_context: ctx.clone(),
-        staging_target_path: s(staging),
-        volume_capability: Some(cap.clone()),
-        ..Default::default()
-    }
+) -> Staged {
+    let ctx = cpublish(c, id, "node-a", cap, false).await;
+    let staging = env.staging_path("node-a", id);
+    c.node
+        .node_stage_volume(stage_request(id, &staging, cap, &ctx))
+        .await
+        .unwrap_or_else(|e| panic!("NodeStage {id}: {e}"));
+    Staged { ctx, staging }
 }
 
 fn publish_req(
@@ -840,7 +848,7 @@ async fn snapshots_and_clones_carry_the_data() {
 
     // Write v1 of the data, unmount everything so the image is consistent.
     c.node
-        .node_stage_volume(stage_req(&staging, &sid, &cap, &ctx))
+        .node_stage_volume(stage_request(&sid, &staging, &cap, &ctx))
         .await
         .unwrap();
     c.node
@@ -909,7 +917,7 @@ async fn snapshots_and_clones_carry_the_data() {
 
     // Change the source after the snapshot: v2.
     c.node
-        .node_stage_volume(stage_req(&staging, &sid, &cap, &ctx))
+        .node_stage_volume(stage_request(&sid, &staging, &cap, &ctx))
         .await
         .unwrap();
     c.node
@@ -988,13 +996,8 @@ async fn snapshots_and_clones_carry_the_data() {
             std::fs::metadata(image_path(&env, &sid, 1)).unwrap().ino()
         );
         let id = vol.volume_id.clone();
-        let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
-        let staging = env.staging_path("node-a", &id);
+        let Staged { ctx, staging } = attach_and_stage(&env, &mut c, &id, &cap).await;
         let target = pod_target(&env, "node-a", name, name);
-        c.node
-            .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
-            .await
-            .unwrap();
         c.node
             .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
             .await
@@ -1699,12 +1702,7 @@ async fn controller_get_volume_reports_status_and_condition() {
     let cond = st.volume_condition.unwrap();
     assert!(!cond.abnormal);
 
-    let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
-    let staging = env.staging_path("node-a", &id);
-    c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
-        .await
-        .unwrap();
+    let Staged { staging, .. } = attach_and_stage(&env, &mut c, &id, &cap).await;
     let (dev, _) = only_loop(&env);
     let st = get(&c, &id).await.unwrap().status.unwrap();
     assert_eq!(st.published_node_ids, vec!["node-a".to_string()]);
@@ -1775,13 +1773,8 @@ async fn published_with_payload(
     let id = create(c, &format!("pvc-{name}-{fs}"), from, &cap, &[])
         .await
         .volume_id;
-    let ctx = cpublish(c, &id, "node-a", &cap, false).await;
-    let staging = env.staging_path("node-a", &id);
+    let Staged { ctx, staging } = attach_and_stage(env, c, &id, &cap).await;
     let target = pod_target(env, "node-a", &format!("pod-{name}"), &format!("pv-{name}"));
-    c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
-        .await
-        .unwrap();
     c.node
         .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
         .await
@@ -1891,7 +1884,7 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         node_unpublish(&mut c, &id, &target).await;
         node_unstage(&mut c, &id, &staging).await;
         c.node
-            .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+            .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
             .await
             .unwrap();
         c.node
@@ -1989,7 +1982,7 @@ async fn expand_unstaged(fs: &str, from: i64, to: i64) {
         .into_inner();
     assert_eq!(r.capacity_bytes, to);
     c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
         .await
         .unwrap();
     c.node
@@ -2057,7 +2050,7 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
 
     for _ in 0..2 {
         c.node
-            .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+            .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
             .await
             .unwrap();
         let (dev, backing) = only_loop(&env);
@@ -2184,12 +2177,7 @@ async fn read_only_publish_refuses_writes() {
     let id = create(&mut c, "pvc-ro", 32 * MIB, &cap, &[])
         .await
         .volume_id;
-    let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
-    let staging = env.staging_path("node-a", &id);
-    c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
-        .await
-        .unwrap();
+    let Staged { ctx, staging } = attach_and_stage(&env, &mut c, &id, &cap).await;
     let rw = pod_target(&env, "node-a", "pod-rw", "pv");
     let ro = pod_target(&env, "node-a", "pod-ro", "pv");
     c.node
@@ -2237,7 +2225,7 @@ async fn read_only_publish_refuses_writes() {
         .unwrap();
     let ctx = cpublish(&mut c, &id, "node-a", &cap, true).await;
     c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+        .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
         .await
         .unwrap();
     let (dev, _) = only_loop(&env);
@@ -2311,7 +2299,7 @@ async fn raw_block_volume_round_trip() {
     for round in 0..2 {
         for _ in 0..2 {
             c.node
-                .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
+                .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
                 .await
                 .unwrap();
         }
@@ -2397,12 +2385,7 @@ async fn raw_block_read_only_publish_refuses_writes() {
     let id = create(&mut c, "pvc-block-ro", 16 * MIB, &cap, &[])
         .await
         .volume_id;
-    let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
-    let staging = env.staging_path("node-a", &id);
-    c.node
-        .node_stage_volume(stage_req(&staging, &id, &cap, &ctx))
-        .await
-        .unwrap();
+    let Staged { ctx, staging } = attach_and_stage(&env, &mut c, &id, &cap).await;
     let rw = block_target(&env, "node-a", "pv", "pod-rw");
     let ro = block_target(&env, "node-a", "pv", "pod-ro");
     c.node
