@@ -169,6 +169,22 @@ impl World {
         assert!(!has_taint(&n1, QUARANTINE_TAINT_KEY));
     }
 
+    /// Passes until podgc is in disruption mode; none on the way quarantined or
+    /// force-deleted anything, and db-0 is still there.
+    async fn nothing_fenced_until_disruption_mode(&self) {
+        let seen = self
+            .passes_until("disruption mode", |s| s.disruption_mode)
+            .await;
+        for s in &seen {
+            assert!(
+                s.quarantined_now.is_empty() && s.force_deleted.is_empty(),
+                "{s:?}"
+            );
+        }
+        let pods = self.c.api::<Pod>(Some(NS));
+        assert!(pods.get_opt("db-0").await.unwrap().is_some());
+    }
+
     /// n1 gets fenced: quarantined and db-0 force-deleted, by the fast path.
     async fn n1_fenced_by_the_fast_path(&self) {
         let pods = self.c.api::<Pod>(Some(NS));
@@ -278,25 +294,52 @@ async fn every_node_down_at_once_is_disruption_mode() {
         w.stop_heartbeat(i);
         w.kubelets[i].freeze();
     }
-    let seen = w
-        .passes_until("disruption mode", |s| s.disruption_mode)
-        .await;
-    for s in &seen {
-        assert!(
-            s.quarantined_now.is_empty() && s.force_deleted.is_empty(),
-            "{s:?}"
-        );
-    }
-    assert!(w
-        .c
-        .api::<Pod>(Some(NS))
-        .get_opt("db-0")
-        .await
-        .unwrap()
-        .is_some());
+    w.nothing_fenced_until_disruption_mode().await;
     w.kubelets[1].thaw();
     w.kubelets[2].thaw();
     w.n1_fenced_by_the_fast_path().await;
     w.kubelets[0].thaw();
+    w.stop().await;
+}
+
+/// A kubelet that refuses at once does not get its node fenced while other stale nodes'
+/// probes are still out: they could make this a disruption. Made deterministic: n2 and n3
+/// go stale first with frozen kubelets (their probes run the full bound), and only then
+/// n1, whose kubelet is gone (its probe is refused at once, well within that bound).
+/// Without the hold, n1 would be fenced on its refusal. Then every node is down:
+/// disruption mode, nothing fenced. Control: n2 and n3 answer again, and n1 is fenced.
+#[tokio::test]
+async fn an_instant_refusal_waits_for_the_probes_still_out() {
+    let mut w = World::start().await;
+    for i in [1, 2] {
+        w.stop_heartbeat(i);
+        w.kubelets[i].freeze();
+    }
+    // Stale as podgc counts it (the grace is 1 s) before n1's heartbeat stops.
+    let leases = w.c.api::<Lease>(Some(HEARTBEAT_NS));
+    for n in ["n2", "n3"] {
+        wait_for("the heartbeat to go stale", || async {
+            let renewed = leases
+                .get(&heartbeat_lease_name(n))
+                .await
+                .unwrap()
+                .spec
+                .and_then(|s| s.renew_time)
+                .expect("the heartbeat Lease has a renewTime");
+            let since =
+                fencecsi_cluster::k8s_openapi::jiff::Timestamp::now().duration_since(renewed.0);
+            since.as_millis() > 1200
+        })
+        .await;
+    }
+    w.stop_heartbeat(0);
+    // Gone: its port refuses connections.
+    let gone = w.kubelets.remove(0);
+    drop(gone);
+    w.nothing_fenced_until_disruption_mode().await;
+    // Control: n2 and n3 (now kubelets[0] and [1]) answer again; n1, refused, is fenced.
+    w.kubelets[0].thaw();
+    w.kubelets[1].thaw();
+    w.n1_fenced_by_the_fast_path().await;
     w.stop().await;
 }
