@@ -389,7 +389,10 @@ mod tests {
         require_root, sparse_image, test_tag, LoopGuard,
     };
     use crate::kernel::loop_device::{self, AttachOptions};
-    use crate::kernel::mounts::{self, test_support::MountGuard};
+    use crate::kernel::mounts::{
+        self,
+        test_support::{unmount_once_free, MountGuard},
+    };
     use std::io::{Seek, SeekFrom, Write};
 
     const MIB: u64 = 1 << 20;
@@ -558,7 +561,7 @@ mod tests {
                     "MEASURE grow ext4 online refused (no CAP_SYS_RESOURCE); growing offline"
                 );
                 assert_eq!(
-                    mounts::unmount(&target).unwrap(),
+                    unmount_once_free(&target).unwrap(),
                     mounts::Unmount::Unmounted
                 );
                 grow_offline(lg.path(), kind).unwrap();

@@ -565,6 +565,21 @@ pub fn path_state(path: &Path) -> PathState {
 pub(crate) mod test_support {
     use super::*;
 
+    /// [`unmount`], again while it answers Busy, within a bound. Other tests in this
+    /// process spawn children: one forked while a file of this mount was open holds that
+    /// descriptor until it execs, and the mount is busy until then.
+    pub(crate) fn unmount_once_free(target: &Path) -> Result<Unmount, MountError> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match unmount(target) {
+                Err(MountError::Busy(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20))
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Lazily unmounts everything at its path when dropped, panic or not.
     pub(crate) struct MountGuard(pub PathBuf);
 
@@ -587,7 +602,7 @@ pub(crate) mod test_support {
 
 #[cfg(test)]
 mod tests {
-    use super::test_support::MountGuard;
+    use super::test_support::{unmount_once_free, MountGuard};
     use super::*;
     use crate::kernel::loop_device::test_support::{
         require_root, sparse_image, test_tag, LoopGuard,
@@ -731,7 +746,7 @@ mod tests {
         assert!(st.flags().contains(
             nix::sys::statvfs::FsFlags::ST_NOSUID | nix::sys::statvfs::FsFlags::ST_NODEV
         ));
-        assert_eq!(unmount(&dst).unwrap(), Unmount::Unmounted);
+        assert_eq!(unmount_once_free(&dst).unwrap(), Unmount::Unmounted);
         assert_eq!(unmount(&dst).unwrap(), Unmount::NotMounted);
         assert!(!is_mountpoint(&dst).unwrap());
     }
@@ -876,7 +891,7 @@ mod tests {
         assert_eq!(users.len(), 1);
         assert_eq!(users[0].mount_point, target);
         std::fs::write(target.join("f"), b"data").unwrap();
-        assert_eq!(unmount(&target).unwrap(), Unmount::Unmounted);
+        assert_eq!(unmount_once_free(&target).unwrap(), Unmount::Unmounted);
         assert!(mounts_of_device(maj, min).unwrap().is_empty());
         // Read-only mount: writes fail with EROFS.
         mount_device(lg.path(), &target, "ext4", &[], true).unwrap();
