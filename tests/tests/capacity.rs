@@ -12,6 +12,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use fencecsi_driver::backend::meta::MetaStore;
 use fencecsi_driver::config::CapacityReserve;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::rig::{Placement, Rig};
@@ -151,11 +152,7 @@ async fn move_to_node_b(rig: &Rig, env: &Env, a: &Placement) -> Result<Placement
 async fn release_fenced(rig: &Rig, env: &Env, a: &Placement) {
     rig.node_teardown(a, true).await.unwrap();
     wait_collected(&generation_path(env, &a.volume_id, 1)).await;
-    let record = env
-        .state_dir()
-        .join("volumes")
-        .join(&a.volume_id)
-        .join("volume.json");
+    let record = MetaStore::volume_path(&env.state_dir(), &a.volume_id);
     let deadline = Instant::now() + Duration::from_secs(20);
     while recorded_generations(&record).contains(&"1".to_string()) {
         assert!(
