@@ -124,11 +124,7 @@ fn query<'a>(uri: &'a http::Uri, key: &str) -> Option<&'a str> {
 
 /// One request of the candidate's transport, answered from `store`: a list page
 /// (a fresh snapshot on the first page, as a server's list is one read) or a get.
-async fn serve(
-    store: &Api<Pod>,
-    snapshot: &Snapshot,
-    req: Request<Body>,
-) -> Response<Body> {
+async fn serve(store: &Api<Pod>, snapshot: &Snapshot, req: Request<Body>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let list_path = format!("/api/v1/namespaces/{NAMESPACE}/pods");
     if path == list_path {

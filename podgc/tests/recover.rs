@@ -2,14 +2,14 @@
 //! away from it and reports the node clean (through podgc's NodeCleanReporter on an
 //! embedded cluster).
 //!
-//! The controller and node-b come from the harness' `Rig`; node-a is served here through
-//! `server::serve_with`, so its recovery loop runs inside the very plugin the "kubelet"
-//! calls (same in-flight locks), with a reporter, and can be stopped and started again as
-//! a node that goes away and comes back.
+//! The controller and node-b come from the harness' `Rig`; node-a is served in this
+//! process (the harness' `RecoveringNode`), so its recovery loop runs inside the very
+//! plugin the "kubelet" calls (same in-flight locks), with a reporter, and can be stopped
+//! and started again as a node that goes away and comes back.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::time::Duration;
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
@@ -17,87 +17,18 @@ use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::{NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION};
 use fencecsi_cluster::{Cluster, MetadataPatch};
 use fencecsi_driver::config::Mode;
-use fencecsi_driver::node::recover::{BoxError, CleanReporter, PassReport, RecoveryHandle};
+use fencecsi_driver::node::recover::{PassReport, RecoveryHandle};
 use fencecsi_driver::node::report::NodeCleanReporter;
-use fencecsi_driver::server::{serve_with, ServeHooks};
-use fencecsi_proto::client::CsiClient;
+use fencecsi_tests::recovering::{RecordingReporter, RecoveringNode};
 use fencecsi_tests::rig::{Placement, Rig};
-use fencecsi_tests::{csi, generation_path, mount_cap, require_root, wait_for_socket, Access, Env};
-use futures::future::BoxFuture;
+use fencecsi_tests::{csi, generation_path, mount_cap, require_root, Access, Env};
 use tonic::Code;
-
-/// Records every report and passes it on to the cluster reporter.
-struct Tee {
-    calls: Mutex<Vec<SystemTime>>,
-    inner: NodeCleanReporter,
-}
-
-impl CleanReporter for Tee {
-    fn report_clean<'a>(
-        &'a self,
-        node_id: &'a str,
-        time: SystemTime,
-    ) -> BoxFuture<'a, Result<bool, BoxError>> {
-        self.calls.lock().unwrap().push(time);
-        self.inner.report_clean(node_id, time)
-    }
-}
-
-struct NodePlugin {
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-    recovery: RecoveryHandle,
-    client: CsiClient,
-}
-
-impl NodePlugin {
-    async fn start(
-        env: &Env,
-        name: &str,
-        generation: u32,
-        reporter: Arc<dyn CleanReporter>,
-        interval: Duration,
-    ) -> Self {
-        let mut cfg = env.config(Mode::Node, Some(name), &format!("{name}-{generation}"));
-        cfg.recover_interval = interval;
-        let socket = cfg.socket_path().unwrap();
-        let (rec_tx, rec_rx) = tokio::sync::oneshot::channel();
-        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            serve_with(
-                cfg,
-                async {
-                    let _ = stop_rx.await;
-                },
-                ServeHooks {
-                    clean_reporter: Some(reporter),
-                    recovery: Some(rec_tx),
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("node plugin");
-        });
-        let client = wait_for_socket(&socket).await;
-        NodePlugin {
-            stop: Some(stop),
-            task,
-            recovery: rec_rx.await.expect("recovery handle"),
-            client,
-        }
-    }
-
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        let _ = self.task.await;
-    }
-}
 
 struct Setup {
     env: Env,
     rig: Rig,
     cluster: Cluster,
-    tee: Arc<Tee>,
+    tee: Arc<RecordingReporter>,
 }
 
 async fn setup() -> Setup {
@@ -110,15 +41,54 @@ async fn setup() -> Setup {
         .create(&ready_node("node-a"))
         .await
         .unwrap();
-    let tee = Arc::new(Tee {
-        calls: Mutex::new(vec![]),
-        inner: NodeCleanReporter::new(&cluster, "node-a"),
-    });
+    let tee = Arc::new(RecordingReporter::passing_to(NodeCleanReporter::new(
+        &cluster, "node-a",
+    )));
     Setup {
         env,
         rig,
         cluster,
         tee,
+    }
+}
+
+impl Setup {
+    /// node-a's plugin (its `generation`-th start), reachable through the rig.
+    async fn start_node_a(
+        &mut self,
+        generation: u32,
+        reporter: Arc<RecordingReporter>,
+        interval: Duration,
+    ) -> RecoveringNode {
+        let mut cfg = self
+            .env
+            .config(Mode::Node, Some("node-a"), &format!("node-a-{generation}"));
+        cfg.recover_interval = interval;
+        let a = RecoveringNode::start_reporting_to(cfg, reporter).await;
+        self.rig.nodes.insert("node-a".into(), a.client.clone());
+        a
+    }
+
+    /// A new volume `name`, attached on node-a for `pod`, with `text` fsynced in it.
+    async fn volume_on_a(&self, name: &str, pod: &str, text: &str) -> (String, Placement) {
+        let vol = self.rig.create(name, 64 << 20, &cap()).await.volume_id;
+        let p = self
+            .rig
+            .attach(&self.env, &vol, "node-a", pod, &cap())
+            .await
+            .unwrap();
+        write_record(&p, text);
+        (vol, p)
+    }
+
+    /// Stops node-a's plugin, deletes `volumes`, stops the rig, and checks nothing is left.
+    async fn finish(self, a: RecoveringNode, volumes: &[&str]) {
+        a.stop().await;
+        for vol in volumes {
+            self.rig.delete_once_free(vol).await;
+        }
+        self.rig.stop().await;
+        self.env.assert_clean();
     }
 }
 
@@ -202,18 +172,24 @@ async fn reattach_and_check(s: &Setup, vol: &str, text: &str) {
     s.rig.unpublish(vol, "node-a", false).await.unwrap();
 }
 
-/// DeleteVolume, retried while the controller's garbage collection holds the volume.
-async fn delete(rig: &Rig, vol: &str) {
-    for _ in 0..100 {
-        match rig.delete(vol).await {
-            Ok(()) => return,
+/// Calls `call` until it answers other than ABORTED, as a CO retries; panics on any
+/// other error. Returns how many times it was ABORTED.
+async fn until_not_aborted<F, Fut>(what: &str, call: F) -> u32
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>>,
+{
+    let mut aborted = 0;
+    loop {
+        match call().await {
+            Ok(()) => return aborted,
             Err(e) if e.code() == Code::Aborted => {
-                tokio::time::sleep(Duration::from_millis(50)).await
+                aborted += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await
             }
-            Err(e) => panic!("DeleteVolume: {e:?}"),
+            Err(e) => panic!("{what}: {e:?}"),
         }
     }
-    panic!("DeleteVolume kept being aborted");
 }
 
 async fn wait_report(rec: &RecoveryHandle, want: impl Fn(&PassReport) -> bool) -> PassReport {
@@ -239,22 +215,10 @@ async fn recovery_releases_a_fenced_volume_and_reports_the_node_clean() {
     // Passes only when asked (and one at start): a periodic pass could release
     // the fenced device during the fence (it takes its settle, 250 ms), and the
     // refusal below needs node-a still holding it.
-    let a = NodePlugin::start(
-        &s.env,
-        "node-a",
-        1,
-        s.tee.clone(),
-        Duration::from_secs(3600),
-    )
-    .await;
-    s.rig.nodes.insert("node-a".into(), a.client.clone());
-    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
-    let p = s
-        .rig
-        .attach(&s.env, &vol, "node-a", "pod-1", &cap())
-        .await
-        .unwrap();
-    write_record(&p, "before the fence");
+    let a = s
+        .start_node_a(1, s.tee.clone(), Duration::from_secs(3600))
+        .await;
+    let (vol, p) = s.volume_on_a("pv-db", "pod-1", "before the fence").await;
     // Unfenced volumes are never touched by the periodic passes.
     let r = a.recovery.run_now().await;
     assert!(r.released.is_empty() && r.clean, "{r:?}");
@@ -297,10 +261,7 @@ async fn recovery_releases_a_fenced_volume_and_reports_the_node_clean() {
     assert_eq!(clean_annotation(&s.cluster).await, Some(clean));
 
     reattach_and_check(&s, &vol, "before the fence").await;
-    a.stop().await;
-    delete(&s.rig, &vol).await;
-    s.rig.stop().await;
-    s.env.assert_clean();
+    s.finish(a, &[&vol]).await;
 }
 
 /// Issue 18: in a network cut the node plugin's Node watch died without a sign, so the
@@ -313,19 +274,11 @@ async fn a_node_whose_watch_died_in_the_cut_is_reported_clean_within_the_cache_a
     require_root!();
     let mut s = setup().await;
     let age = Duration::from_secs(1);
-    let tee = Arc::new(Tee {
-        calls: Mutex::new(vec![]),
-        inner: NodeCleanReporter::new(&s.cluster, "node-a").with_max_cache_age(age),
-    });
-    let a = NodePlugin::start(&s.env, "node-a", 1, tee, Duration::from_millis(300)).await;
-    s.rig.nodes.insert("node-a".into(), a.client.clone());
-    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
-    let p = s
-        .rig
-        .attach(&s.env, &vol, "node-a", "pod-1", &cap())
-        .await
-        .unwrap();
-    write_record(&p, "before the cut");
+    let tee = Arc::new(RecordingReporter::passing_to(
+        NodeCleanReporter::new(&s.cluster, "node-a").with_max_cache_age(age),
+    ));
+    let a = s.start_node_a(1, tee, Duration::from_millis(300)).await;
+    let (vol, p) = s.volume_on_a("pv-db", "pod-1", "before the cut").await;
     let r = a.recovery.run_now().await;
     assert!(r.clean && matches!(r.reported, Some(Ok(true))), "{r:?}");
     assert_eq!(clean_annotation(&s.cluster).await, None);
@@ -358,57 +311,36 @@ async fn a_node_whose_watch_died_in_the_cut_is_reported_clean_within_the_cache_a
     assert!(clean > qa);
 
     reattach_and_check(&s, &vol, "before the cut").await;
-    a.stop().await;
-    delete(&s.rig, &vol).await;
-    s.rig.stop().await;
-    s.env.assert_clean();
+    s.finish(a, &[&vol]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_plugin_that_comes_back_releases_at_start() {
     require_root!();
     let mut s = setup().await;
-    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::ZERO).await;
-    s.rig.nodes.insert("node-a".into(), a.client.clone());
-    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
-    let p = s
-        .rig
-        .attach(&s.env, &vol, "node-a", "pod-1", &cap())
-        .await
-        .unwrap();
-    write_record(&p, "kept");
+    let a = s.start_node_a(1, s.tee.clone(), Duration::ZERO).await;
+    let (vol, p) = s.volume_on_a("pv-db", "pod-1", "kept").await;
     // The plugin goes away with the node; meanwhile the volume is fenced away.
     a.stop().await;
     quarantine(&s.cluster).await;
     s.rig.unpublish(&vol, "node-a", true).await.unwrap();
     // Back: the pass at start releases it.
-    let a = NodePlugin::start(&s.env, "node-a", 2, s.tee.clone(), Duration::ZERO).await;
-    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let a = s.start_node_a(2, s.tee.clone(), Duration::ZERO).await;
     let r = wait_report(&a.recovery, |r| r.seq == 1).await;
     assert_eq!(r.released.len(), 1, "{r:?}");
     assert!(r.clean && matches!(r.reported, Some(Ok(true))), "{r:?}");
     assert_released(&s.env, &p, p.generation());
     assert!(clean_annotation(&s.cluster).await.is_some());
     reattach_and_check(&s, &vol, "kept").await;
-    a.stop().await;
-    delete(&s.rig, &vol).await;
-    s.rig.stop().await;
-    s.env.assert_clean();
+    s.finish(a, &[&vol]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubelet_force_teardown_first_then_recovery_finds_nothing() {
     require_root!();
     let mut s = setup().await;
-    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::ZERO).await;
-    s.rig.nodes.insert("node-a".into(), a.client.clone());
-    let vol = s.rig.create("pv-db", 64 << 20, &cap()).await.volume_id;
-    let p = s
-        .rig
-        .attach(&s.env, &vol, "node-a", "pod-1", &cap())
-        .await
-        .unwrap();
-    write_record(&p, "kubelet first");
+    let a = s.start_node_a(1, s.tee.clone(), Duration::ZERO).await;
+    let (vol, p) = s.volume_on_a("pv-db", "pod-1", "kubelet first").await;
     let qa = quarantine(&s.cluster).await;
     s.rig.unpublish(&vol, "node-a", true).await.unwrap();
     // The returning kubelet cleans up first: NodeUnpublish + NodeUnstage with force.
@@ -427,10 +359,7 @@ async fn kubelet_force_teardown_first_then_recovery_finds_nothing() {
         .await
         .expect("idempotent after cleanup");
     reattach_and_check(&s, &vol, "kubelet first").await;
-    a.stop().await;
-    delete(&s.rig, &vol).await;
-    s.rig.stop().await;
-    s.env.assert_clean();
+    s.finish(a, &[&vol]).await;
 }
 
 /// Recovery and kubelet calls at the same time: whichever holds the volume's in-flight
@@ -440,21 +369,16 @@ async fn kubelet_force_teardown_first_then_recovery_finds_nothing() {
 async fn recovery_racing_kubelet_calls_both_end_ok() {
     require_root!();
     let mut s = setup().await;
-    let a = NodePlugin::start(&s.env, "node-a", 1, s.tee.clone(), Duration::ZERO).await;
-    s.rig.nodes.insert("node-a".into(), a.client.clone());
+    let a = s.start_node_a(1, s.tee.clone(), Duration::ZERO).await;
     let mut placements = vec![];
     for i in 0..3 {
-        let vol = s
-            .rig
-            .create(&format!("pv-{i}"), 64 << 20, &cap())
-            .await
-            .volume_id;
-        let p = s
-            .rig
-            .attach(&s.env, &vol, "node-a", &format!("pod-{i}"), &cap())
-            .await
-            .unwrap();
-        write_record(&p, &format!("record {i}"));
+        let (_, p) = s
+            .volume_on_a(
+                &format!("pv-{i}"),
+                &format!("pod-{i}"),
+                &format!("record {i}"),
+            )
+            .await;
         placements.push(p);
     }
     quarantine(&s.cluster).await;
@@ -468,44 +392,26 @@ async fn recovery_racing_kubelet_calls_both_end_ok() {
         tokio::spawn(async move {
             let mut aborted = 0;
             for p in &ps {
-                loop {
-                    let r = client
-                        .clone()
-                        .node
-                        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                            volume_id: p.volume_id.clone(),
-                            target_path: p.target.to_string_lossy().into(),
-                            force: true,
-                        })
-                        .await;
-                    match r {
-                        Ok(_) => break,
-                        Err(e) if e.code() == Code::Aborted => {
-                            aborted += 1;
-                            tokio::time::sleep(Duration::from_millis(10)).await
-                        }
-                        Err(e) => panic!("NodeUnpublish: {e:?}"),
-                    }
-                }
-                loop {
-                    let r = client
-                        .clone()
-                        .node
-                        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                            volume_id: p.volume_id.clone(),
-                            staging_target_path: p.staging.to_string_lossy().into(),
-                            force: true,
-                        })
-                        .await;
-                    match r {
-                        Ok(_) => break,
-                        Err(e) if e.code() == Code::Aborted => {
-                            aborted += 1;
-                            tokio::time::sleep(Duration::from_millis(10)).await
-                        }
-                        Err(e) => panic!("NodeUnstage: {e:?}"),
-                    }
-                }
+                aborted += until_not_aborted("NodeUnpublish", || {
+                    let mut c = client.clone();
+                    let req = csi::NodeUnpublishVolumeRequest {
+                        volume_id: p.volume_id.clone(),
+                        target_path: p.target.to_string_lossy().into(),
+                        force: true,
+                    };
+                    async move { c.node.node_unpublish_volume(req).await.map(|_| ()) }
+                })
+                .await;
+                aborted += until_not_aborted("NodeUnstage", || {
+                    let mut c = client.clone();
+                    let req = csi::NodeUnstageVolumeRequest {
+                        volume_id: p.volume_id.clone(),
+                        staging_target_path: p.staging.to_string_lossy().into(),
+                        force: true,
+                    };
+                    async move { c.node.node_unstage_volume(req).await.map(|_| ()) }
+                })
+                .await;
             }
             aborted
         })
@@ -543,10 +449,6 @@ async fn recovery_racing_kubelet_calls_both_end_ok() {
     for (i, p) in placements.iter().enumerate() {
         reattach_and_check(&s, &p.volume_id, &format!("record {i}")).await;
     }
-    a.stop().await;
-    for p in &placements {
-        delete(&s.rig, &p.volume_id).await;
-    }
-    s.rig.stop().await;
-    s.env.assert_clean();
+    let volumes: Vec<&str> = placements.iter().map(|p| p.volume_id.as_str()).collect();
+    s.finish(a, &volumes).await;
 }

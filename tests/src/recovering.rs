@@ -13,20 +13,35 @@ use futures::future::BoxFuture;
 
 use crate::{csi, wait_for_socket};
 
-/// Records the times of the clean reports it receives.
+/// Records the times of the clean reports it receives, and passes each on to
+/// another reporter if it has one (else answers that it was written).
 #[derive(Default)]
 pub struct RecordingReporter {
     pub calls: Mutex<Vec<SystemTime>>,
+    inner: Option<Box<dyn CleanReporter>>,
+}
+
+impl RecordingReporter {
+    /// Records, then passes each report on to `inner` (a cluster reporter, say).
+    pub fn passing_to(inner: impl CleanReporter + 'static) -> Self {
+        RecordingReporter {
+            calls: Mutex::default(),
+            inner: Some(Box::new(inner)),
+        }
+    }
 }
 
 impl CleanReporter for RecordingReporter {
     fn report_clean<'a>(
         &'a self,
-        _node_id: &'a str,
+        node_id: &'a str,
         time: SystemTime,
     ) -> BoxFuture<'a, Result<bool, BoxError>> {
         self.calls.lock().unwrap().push(time);
-        Box::pin(async { Ok(true) })
+        match &self.inner {
+            Some(inner) => inner.report_clean(node_id, time),
+            None => Box::pin(async { Ok(true) }),
+        }
     }
 }
 
@@ -41,8 +56,13 @@ pub struct RecoveringNode {
 impl RecoveringNode {
     /// Serves `cfg` (a node-mode configuration) until [`RecoveringNode::stop`].
     pub async fn start(cfg: Config) -> Self {
+        Self::start_reporting_to(cfg, Arc::new(RecordingReporter::default())).await
+    }
+
+    /// As [`RecoveringNode::start`], reporting to `reporter` (which may outlive this
+    /// plugin and serve the next one started on the node).
+    pub async fn start_reporting_to(cfg: Config, reporter: Arc<RecordingReporter>) -> Self {
         let socket = cfg.socket_path().unwrap();
-        let reporter = Arc::new(RecordingReporter::default());
         let (rec_tx, rec_rx) = tokio::sync::oneshot::channel();
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let r: Arc<dyn CleanReporter> = reporter.clone();

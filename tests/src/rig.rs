@@ -295,6 +295,21 @@ impl Rig {
         .map(|_| ())
     }
 
+    /// DeleteVolume, which must succeed, retried for up to 100 more rounds while it
+    /// answers ABORTED (the controller's garbage collection holds the volume).
+    pub async fn delete_once_free(&self, volume_id: &str) {
+        for _ in 0..100 {
+            match self.delete(volume_id).await {
+                Ok(()) => return,
+                Err(e) if e.code() == tonic::Code::Aborted => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await
+                }
+                Err(e) => panic!("DeleteVolume: {e:?}"),
+            }
+        }
+        panic!("DeleteVolume kept being aborted");
+    }
+
     /// DeleteSnapshot of `snapshot_id`, which must succeed.
     pub async fn delete_snapshot(&self, snapshot_id: String) {
         self.controller

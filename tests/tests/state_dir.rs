@@ -14,7 +14,6 @@ use fencecsi_driver::node::recover::PassReport;
 use fencecsi_tests::recovering::RecoveringNode;
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{csi, generation_path, mount_cap, require_root, Access, Env, InProcess};
-use tonic::Code;
 
 fn cap() -> csi::VolumeCapability {
     mount_cap(Access::SingleNodeWriter, "ext4")
@@ -100,19 +99,6 @@ async fn first_pass(n: &RecoveringNode) -> PassReport {
     .expect("the pass at start in time")
 }
 
-async fn delete(rig: &Rig, vol: &str) {
-    for _ in 0..100 {
-        match rig.delete(vol).await {
-            Ok(()) => return,
-            Err(e) if e.code() == Code::Aborted => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(e) => panic!("DeleteVolume: {e:?}"),
-        }
-    }
-    panic!("DeleteVolume kept being aborted");
-}
-
 /// A controller, and node-a (recovering) with two volumes in use on it, `pv-{kept}` and
 /// `pv-fenced`, each with 1 MiB of data (`seed`, `seed + 1`): the rig, node-a, the kept
 /// volume's placement and data hash, and the other's placement.
@@ -148,8 +134,8 @@ async fn two_volumes_on_node_a(
 async fn finish(env: &Env, rig: Rig, a: RecoveringNode, kept: &Placement, fenced_id: &str) {
     rig.detach(kept).await.unwrap();
     a.stop().await;
-    delete(&rig, &kept.volume_id).await;
-    delete(&rig, fenced_id).await;
+    rig.delete_once_free(&kept.volume_id).await;
+    rig.delete_once_free(fenced_id).await;
     rig.stop().await;
     env.assert_clean();
 }
