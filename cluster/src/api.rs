@@ -1,15 +1,11 @@
-//! Typed per-kind access, dispatching to the embedded or the kube backend.
+//! Typed per-kind access: the namespace rules here, the calls by the backend behind it.
 
-use std::marker::PhantomData;
-#[cfg(feature = "embedded")]
 use std::sync::Arc;
 
 use futures::stream::BoxStream;
 
-#[cfg(feature = "embedded")]
-use crate::embedded::{KindStore, Matcher};
+use crate::backend::KindBackend;
 use crate::error::{Error, Result};
-use crate::kube_backend;
 use crate::object::{HasStatus, Object};
 use crate::params::{
     DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, WatchEvent, WatchParams,
@@ -20,23 +16,6 @@ use crate::params::{
 /// re-list as [`WatchEvent::Listed`].
 pub type WatchStream<K> = BoxStream<'static, WatchEvent<K>>;
 
-pub(crate) enum Backend<K: Object> {
-    #[cfg(feature = "embedded")]
-    Embedded(Arc<KindStore<K>>),
-    /// The `PhantomData` keeps `K` used when the embedded backend is compiled out.
-    Kube(kube::Client, PhantomData<fn() -> K>),
-}
-
-impl<K: Object> Clone for Backend<K> {
-    fn clone(&self) -> Self {
-        match self {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => Backend::Embedded(s.clone()),
-            Backend::Kube(c, _) => Backend::Kube(c.clone(), PhantomData),
-        }
-    }
-}
-
 /// Access to one kind, in one namespace or across all of them (cluster-scoped kinds
 /// ignore the namespace). Cheap to clone.
 ///
@@ -44,7 +23,7 @@ impl<K: Object> Clone for Backend<K> {
 /// object's own `metadata.namespace` (create/replace). Lists and watches without one span
 /// all namespaces.
 pub struct Api<K: Object> {
-    pub(crate) backend: Backend<K>,
+    pub(crate) backend: Arc<dyn KindBackend<K>>,
     pub(crate) namespace: Option<String>,
 }
 
@@ -59,15 +38,11 @@ impl<K: Object> Clone for Api<K> {
 
 impl<K: Object> std::fmt::Debug for Api<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let backend = match self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(_) => "embedded",
-            Backend::Kube(..) => "kube",
-        };
         write!(
             f,
-            "Api<{}>({backend}, namespace {:?})",
+            "Api<{}>({}, namespace {:?})",
             K::KIND,
+            self.backend.name(),
             self.namespace
         )
     }
@@ -94,17 +69,9 @@ impl<K: Object> Api<K> {
         }
     }
 
-    fn kube_api(client: &kube::Client, ns: &str) -> kube::Api<K> {
-        K::kube_api(client.clone(), Some(ns).filter(|n| !n.is_empty()))
-    }
-
     pub async fn get(&self, name: &str) -> Result<K> {
         let ns = self.target_ns(None)?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.get(&ns, name),
-            Backend::Kube(c, _) => Ok(Self::kube_api(c, &ns).get(name).await?),
-        }
+        self.backend.get(&ns, name).await
     }
 
     /// `get`, with NotFound as `None`.
@@ -136,40 +103,16 @@ impl<K: Object> Api<K> {
         params: &ListParams,
         filter: &(dyn Fn(&K) -> bool + Send + Sync),
     ) -> Result<ObjectList<K>> {
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => {
-                let m = Matcher::new::<K>(
-                    self.namespace.as_deref(),
-                    params.label_selector.as_deref(),
-                    params.field_selector.as_deref(),
-                )?;
-                let (items, resource_version) = s.list(&m, filter);
-                Ok(ObjectList {
-                    items,
-                    resource_version,
-                })
-            }
-            Backend::Kube(c, _) => {
-                let api = K::kube_api(c.clone(), self.namespace.as_deref());
-                let (items, resource_version) = kube_backend::list(&api, params, filter).await?;
-                Ok(ObjectList {
-                    items,
-                    resource_version,
-                })
-            }
-        }
+        self.backend
+            .list(self.namespace.as_deref(), params, filter)
+            .await
     }
 
     /// Creates the object. The server fills uid, creationTimestamp, resourceVersion and
     /// generation, and may reset the status (a new Pod is `Pending` whatever was sent).
     pub async fn create(&self, obj: &K) -> Result<K> {
         let ns = self.target_ns(obj.metadata().namespace.as_deref())?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.create(&ns, obj),
-            Backend::Kube(c, _) => kube_backend::create(&Self::kube_api(c, &ns), obj).await,
-        }
+        self.backend.create(&ns, obj).await
     }
 
     /// Replaces the object named by `obj.metadata.name`. A non-empty resourceVersion that is
@@ -177,11 +120,7 @@ impl<K: Object> Api<K> {
     /// with a status subresource, status changes are ignored (use `replace_status`).
     pub async fn replace(&self, obj: &K) -> Result<K> {
         let ns = self.target_ns(obj.metadata().namespace.as_deref())?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.replace(&ns, obj),
-            Backend::Kube(c, _) => kube_backend::replace(&Self::kube_api(c, &ns), obj).await,
-        }
+        self.backend.replace(&ns, obj).await
     }
 
     /// Adds/removes finalizers, sets/removes labels and annotations, atomically with
@@ -189,13 +128,7 @@ impl<K: Object> Api<K> {
     /// `Invalid`; removing the last finalizer of such an object deletes it.
     pub async fn patch_metadata(&self, name: &str, patch: &MetadataPatch) -> Result<K> {
         let ns = self.target_ns(None)?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.patch_metadata(&ns, name, patch),
-            Backend::Kube(c, _) => {
-                kube_backend::patch_metadata(&Self::kube_api(c, &ns), name, patch).await
-            }
-        }
+        self.backend.patch_metadata(&ns, name, patch).await
     }
 
     /// A JSON merge patch (RFC 7386) of the object's spec and metadata: only the fields it
@@ -204,52 +137,19 @@ impl<K: Object> Api<K> {
     /// write conditional (a `Conflict` when someone wrote in between).
     pub async fn patch_merge(&self, name: &str, patch: &serde_json::Value) -> Result<K> {
         let ns = self.target_ns(None)?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.patch_merge(&ns, name, patch),
-            Backend::Kube(c, _) => {
-                kube_backend::patch_merge(&Self::kube_api(c, &ns), name, patch).await
-            }
-        }
+        self.backend.patch_merge(&ns, name, patch).await
     }
 
     pub async fn delete(&self, name: &str, opts: &DeleteOptions) -> Result<DeleteOutcome<K>> {
         let ns = self.target_ns(None)?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.delete(&ns, name, opts),
-            Backend::Kube(c, _) => kube_backend::delete(&Self::kube_api(c, &ns), name, opts).await,
-        }
+        self.backend.delete(&ns, name, opts).await
     }
 
     /// Watches this `Api`'s namespace (or all). See [`WatchParams`] and [`WatchEvent`].
     pub fn watch(&self, params: &WatchParams) -> Result<WatchStream<K>> {
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => {
-                let m = Matcher::new::<K>(
-                    self.namespace.as_deref(),
-                    params.label_selector.as_deref(),
-                    params.field_selector.as_deref(),
-                )?;
-                let stream = s.clone().watch(m, params.resource_version.as_deref())?;
-                Ok(if params.changes_only {
-                    use futures::StreamExt;
-                    stream
-                        .map(|ev| match ev {
-                            WatchEvent::Listed(_) => WatchEvent::Listed(Vec::new()),
-                            ev => ev,
-                        })
-                        .boxed()
-                } else {
-                    stream
-                })
-            }
-            Backend::Kube(c, _) => Ok(kube_backend::watch(
-                K::kube_api(c.clone(), self.namespace.as_deref()),
-                params,
-            )),
-        }
+        self.backend
+            .clone()
+            .watch(self.namespace.as_deref(), params)
     }
 }
 
@@ -258,22 +158,12 @@ impl<K: HasStatus> Api<K> {
     /// ignored. Stale resourceVersion is a `Conflict`.
     pub async fn replace_status(&self, obj: &K) -> Result<K> {
         let ns = self.target_ns(obj.metadata().namespace.as_deref())?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.replace_status(&ns, obj),
-            Backend::Kube(c, _) => kube_backend::replace_status(&Self::kube_api(c, &ns), obj).await,
-        }
+        self.backend.replace_status(&ns, obj).await
     }
 
     /// A JSON merge patch of the status subresource; see [`Api::patch_merge`].
     pub async fn patch_status_merge(&self, name: &str, patch: &serde_json::Value) -> Result<K> {
         let ns = self.target_ns(None)?;
-        match &self.backend {
-            #[cfg(feature = "embedded")]
-            Backend::Embedded(s) => s.patch_status_merge(&ns, name, patch),
-            Backend::Kube(c, _) => {
-                kube_backend::patch_status_merge(&Self::kube_api(c, &ns), name, patch).await
-            }
-        }
+        self.backend.patch_status_merge(&ns, name, patch).await
     }
 }

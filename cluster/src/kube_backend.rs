@@ -2,15 +2,21 @@
 //! against concurrent finalizer edits (kube's `Api` leaves that to the caller), and the
 //! watch, which is kube-runtime's watcher.
 
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{json, Map, Value};
 
+use crate::api::WatchStream;
+use crate::backend::{Filter, KindBackend};
 use crate::error::{Error, Result};
 use crate::object::{HasStatus, Object};
 use crate::params::{
-    DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, WatchEvent, WatchParams,
+    DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, WatchEvent, WatchParams,
 };
 
 /// Page size of lists: keeps single responses small when listing 150,000 pods.
@@ -255,4 +261,111 @@ pub(crate) fn watch<K: Object>(
         }
     })
     .boxed()
+}
+
+/// The seam's calls for kind `K` on a real API server.
+pub(crate) struct KubeKind<K> {
+    client: kube::Client,
+    kind: PhantomData<fn() -> K>,
+}
+
+impl<K: Object> KubeKind<K> {
+    pub(crate) fn new(client: kube::Client) -> Self {
+        KubeKind {
+            client,
+            kind: PhantomData,
+        }
+    }
+
+    /// kube's `Api` for `ns` ("" or `None`: cluster-scoped, or all namespaces).
+    fn api(&self, ns: Option<&str>) -> kube::Api<K> {
+        K::kube_api(self.client.clone(), ns.filter(|n| !n.is_empty()))
+    }
+}
+
+impl<K: Object> KindBackend<K> for KubeKind<K> {
+    fn name(&self) -> &'static str {
+        "kube"
+    }
+
+    fn get<'a>(&'a self, ns: &'a str, name: &'a str) -> BoxFuture<'a, Result<K>> {
+        Box::pin(async move { Ok(self.api(Some(ns)).get(name).await?) })
+    }
+
+    fn list<'a>(
+        &'a self,
+        namespace: Option<&'a str>,
+        params: &'a ListParams,
+        filter: Filter<'a, K>,
+    ) -> BoxFuture<'a, Result<ObjectList<K>>> {
+        Box::pin(async move {
+            let (items, resource_version) = list(&self.api(namespace), params, filter).await?;
+            Ok(ObjectList {
+                items,
+                resource_version,
+            })
+        })
+    }
+
+    fn create<'a>(&'a self, ns: &'a str, obj: &'a K) -> BoxFuture<'a, Result<K>> {
+        Box::pin(async move { create(&self.api(Some(ns)), obj).await })
+    }
+
+    fn replace<'a>(&'a self, ns: &'a str, obj: &'a K) -> BoxFuture<'a, Result<K>> {
+        Box::pin(async move { replace(&self.api(Some(ns)), obj).await })
+    }
+
+    fn patch_metadata<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+        patch: &'a MetadataPatch,
+    ) -> BoxFuture<'a, Result<K>> {
+        Box::pin(async move { patch_metadata(&self.api(Some(ns)), name, patch).await })
+    }
+
+    fn patch_merge<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+        patch: &'a Value,
+    ) -> BoxFuture<'a, Result<K>> {
+        Box::pin(async move { patch_merge(&self.api(Some(ns)), name, patch).await })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+        opts: &'a DeleteOptions,
+    ) -> BoxFuture<'a, Result<DeleteOutcome<K>>> {
+        Box::pin(async move { delete(&self.api(Some(ns)), name, opts).await })
+    }
+
+    fn watch(
+        self: Arc<Self>,
+        namespace: Option<&str>,
+        params: &WatchParams,
+    ) -> Result<WatchStream<K>> {
+        Ok(watch(self.api(namespace), params))
+    }
+
+    fn replace_status<'a>(&'a self, ns: &'a str, obj: &'a K) -> BoxFuture<'a, Result<K>>
+    where
+        K: HasStatus,
+    {
+        Box::pin(async move { replace_status(&self.api(Some(ns)), obj).await })
+    }
+
+    fn patch_status_merge<'a>(
+        &'a self,
+        ns: &'a str,
+        name: &'a str,
+        patch: &'a Value,
+    ) -> BoxFuture<'a, Result<K>>
+    where
+        K: HasStatus,
+    {
+        Box::pin(async move { patch_status_merge(&self.api(Some(ns)), name, patch).await })
+    }
 }

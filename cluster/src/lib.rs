@@ -54,9 +54,14 @@
 //! `FENCECSI_TEST_KUBECONFIG` names a kubeconfig).
 
 mod api;
+mod backend;
 pub mod cli;
 #[cfg(feature = "embedded")]
 pub mod embedded;
+#[cfg(feature = "embedded")]
+mod embedded_cluster;
+#[cfg(feature = "embedded")]
+mod embedded_kind;
 mod error;
 mod events;
 pub mod http;
@@ -71,7 +76,6 @@ pub mod watch_pacing;
 pub mod well_known;
 
 use std::path::Path;
-#[cfg(feature = "embedded")]
 use std::sync::Arc;
 
 pub use api::{Api, WatchStream};
@@ -91,13 +95,10 @@ pub use selector::{FieldSelector, LabelSelector};
 pub use k8s_openapi;
 pub use kube;
 
-#[cfg(feature = "embedded")]
-use embedded::Embedded;
-
 #[derive(Clone)]
 enum Inner {
     #[cfg(feature = "embedded")]
-    Embedded(Arc<Embedded>),
+    Embedded(Arc<embedded::Embedded>),
     Kube(kube::Client),
 }
 
@@ -118,19 +119,6 @@ impl std::fmt::Debug for Cluster {
 }
 
 impl Cluster {
-    /// A fresh, empty in-memory cluster.
-    #[cfg(feature = "embedded")]
-    pub fn embedded() -> Self {
-        Self::embedded_with(EmbeddedConfig::default())
-    }
-
-    #[cfg(feature = "embedded")]
-    pub fn embedded_with(config: EmbeddedConfig) -> Self {
-        Cluster {
-            inner: Inner::Embedded(Arc::new(Embedded::new(config))),
-        }
-    }
-
     /// A real API server through kube-rs.
     pub fn kube(client: kube::Client) -> Self {
         Cluster {
@@ -170,18 +158,18 @@ impl Cluster {
         Ok(Self::kube(client))
     }
 
-    #[cfg(feature = "embedded")]
+    /// Whether this is the in-memory cluster (always false without the `embedded` feature).
     pub fn is_embedded(&self) -> bool {
-        matches!(self.inner, Inner::Embedded(_))
+        !matches!(self.inner, Inner::Kube(_))
     }
 
     /// Typed access to kind `K`, bound to `namespace` (ignored for cluster-scoped kinds;
     /// `None` on a namespaced kind means all namespaces for list/watch).
     pub fn api<K: Object>(&self, namespace: Option<&str>) -> Api<K> {
-        let backend = match &self.inner {
+        let backend: Arc<dyn backend::KindBackend<K>> = match &self.inner {
             #[cfg(feature = "embedded")]
-            Inner::Embedded(e) => api::Backend::Embedded(e.kind::<K>()),
-            Inner::Kube(c) => api::Backend::Kube(c.clone(), std::marker::PhantomData),
+            Inner::Embedded(e) => e.kind::<K>(),
+            Inner::Kube(c) => Arc::new(kube_backend::KubeKind::new(c.clone())),
         };
         let namespace = if K::NAMESPACED {
             namespace.map(str::to_string)
@@ -197,47 +185,6 @@ impl Cluster {
             Inner::Kube(c) => Some(c.clone()),
             #[cfg(feature = "embedded")]
             Inner::Embedded(_) => None,
-        }
-    }
-
-    /// Embedded only: from now on, get, create, replace and the patches of kind `K`
-    /// in `namespace` answer Forbidden, as a real API server does for a missing RBAC
-    /// grant (deletes, status writes, lists and watches still answer). For tests of what a process does when
-    /// it may not touch what it needs. Does nothing on a real cluster.
-    #[cfg(feature = "embedded")]
-    pub fn deny<K: Object>(&self, namespace: &str) {
-        if let Inner::Embedded(e) = &self.inner {
-            e.kind::<K>().deny(namespace);
-        }
-    }
-
-    /// Embedded only: undoes [`Cluster::deny`] (the callers can reach it again).
-    #[cfg(feature = "embedded")]
-    pub fn allow<K: Object>(&self, namespace: &str) {
-        if let Inner::Embedded(e) = &self.inner {
-            e.kind::<K>().allow(namespace);
-        }
-    }
-
-    /// Embedded only: every watch of kind `K` open now goes silent. It delivers nothing
-    /// more and never ends, as a watch does whose connection was lost without the client
-    /// noticing (a network cut with no TCP keepalive, a server or proxy that dropped it).
-    /// Watches started later work. For tests of what a process does when its watch dies
-    /// without a sign. Does nothing on a real cluster.
-    #[cfg(feature = "embedded")]
-    pub fn cut_watches<K: Object>(&self) {
-        if let Inner::Embedded(e) = &self.inner {
-            e.kind::<K>().cut_watches();
-        }
-    }
-
-    /// Embedded only: how many objects of kind `K` are stored (all namespaces). `None`
-    /// on a real cluster. For tests and benchmarks.
-    #[cfg(feature = "embedded")]
-    pub fn embedded_count<K: Object>(&self) -> Option<usize> {
-        match &self.inner {
-            Inner::Embedded(e) => Some(e.kind::<K>().len()),
-            Inner::Kube(_) => None,
         }
     }
 }
