@@ -277,9 +277,14 @@ impl<K: Object> KubeKind<K> {
         }
     }
 
-    /// kube's `Api` for `ns` ("" or `None`: cluster-scoped, or all namespaces).
-    fn api(&self, ns: Option<&str>) -> kube::Api<K> {
-        K::kube_api(self.client.clone(), ns.filter(|n| !n.is_empty()))
+    /// kube's `Api` for a single-object call in `ns` ("" for a cluster-scoped kind).
+    fn api(&self, ns: &str) -> kube::Api<K> {
+        K::kube_api(self.client.clone(), Some(ns).filter(|n| !n.is_empty()))
+    }
+
+    /// kube's `Api` for a list or watch of `namespace` (`None`: all, or cluster-scoped).
+    fn api_over(&self, namespace: Option<&str>) -> kube::Api<K> {
+        K::kube_api(self.client.clone(), namespace)
     }
 }
 
@@ -289,7 +294,7 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
     }
 
     fn get<'a>(&'a self, ns: &'a str, name: &'a str) -> BoxFuture<'a, Result<K>> {
-        Box::pin(async move { Ok(self.api(Some(ns)).get(name).await?) })
+        Box::pin(async move { Ok(self.api(ns).get(name).await?) })
     }
 
     fn list<'a>(
@@ -299,7 +304,7 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
         filter: Filter<'a, K>,
     ) -> BoxFuture<'a, Result<ObjectList<K>>> {
         Box::pin(async move {
-            let (items, resource_version) = list(&self.api(namespace), params, filter).await?;
+            let (items, resource_version) = list(&self.api_over(namespace), params, filter).await?;
             Ok(ObjectList {
                 items,
                 resource_version,
@@ -308,11 +313,11 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
     }
 
     fn create<'a>(&'a self, ns: &'a str, obj: &'a K) -> BoxFuture<'a, Result<K>> {
-        Box::pin(async move { create(&self.api(Some(ns)), obj).await })
+        Box::pin(async move { create(&self.api(ns), obj).await })
     }
 
     fn replace<'a>(&'a self, ns: &'a str, obj: &'a K) -> BoxFuture<'a, Result<K>> {
-        Box::pin(async move { replace(&self.api(Some(ns)), obj).await })
+        Box::pin(async move { replace(&self.api(ns), obj).await })
     }
 
     fn patch_metadata<'a>(
@@ -321,7 +326,7 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
         name: &'a str,
         patch: &'a MetadataPatch,
     ) -> BoxFuture<'a, Result<K>> {
-        Box::pin(async move { patch_metadata(&self.api(Some(ns)), name, patch).await })
+        Box::pin(async move { patch_metadata(&self.api(ns), name, patch).await })
     }
 
     fn patch_merge<'a>(
@@ -330,7 +335,7 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
         name: &'a str,
         patch: &'a Value,
     ) -> BoxFuture<'a, Result<K>> {
-        Box::pin(async move { patch_merge(&self.api(Some(ns)), name, patch).await })
+        Box::pin(async move { patch_merge(&self.api(ns), name, patch).await })
     }
 
     fn delete<'a>(
@@ -339,7 +344,7 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
         name: &'a str,
         opts: &'a DeleteOptions,
     ) -> BoxFuture<'a, Result<DeleteOutcome<K>>> {
-        Box::pin(async move { delete(&self.api(Some(ns)), name, opts).await })
+        Box::pin(async move { delete(&self.api(ns), name, opts).await })
     }
 
     fn watch(
@@ -347,14 +352,14 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
         namespace: Option<&str>,
         params: &WatchParams,
     ) -> Result<WatchStream<K>> {
-        Ok(watch(self.api(namespace), params))
+        Ok(watch(self.api_over(namespace), params))
     }
 
     fn replace_status<'a>(&'a self, ns: &'a str, obj: &'a K) -> BoxFuture<'a, Result<K>>
     where
         K: HasStatus,
     {
-        Box::pin(async move { replace_status(&self.api(Some(ns)), obj).await })
+        Box::pin(async move { replace_status(&self.api(ns), obj).await })
     }
 
     fn patch_status_merge<'a>(
@@ -366,6 +371,6 @@ impl<K: Object> KindBackend<K> for KubeKind<K> {
     where
         K: HasStatus,
     {
-        Box::pin(async move { patch_status_merge(&self.api(Some(ns)), name, patch).await })
+        Box::pin(async move { patch_status_merge(&self.api(ns), name, patch).await })
     }
 }

@@ -295,8 +295,8 @@ impl Rig {
         .map(|_| ())
     }
 
-    /// DeleteVolume, which must succeed, retried for up to 100 more rounds while it
-    /// answers ABORTED (the controller's garbage collection holds the volume).
+    /// DeleteVolume, which must succeed: [`Rig::delete`] again, up to 100 rounds in all,
+    /// while it answers ABORTED (the controller's garbage collection holds the volume).
     pub async fn delete_once_free(&self, volume_id: &str) {
         for _ in 0..100 {
             match self.delete(volume_id).await {

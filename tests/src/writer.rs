@@ -41,6 +41,8 @@ pub struct WriterReport {
     /// The same records: (seq, CLOCK_MONOTONIC ns when the write began).
     pub starts: Vec<(u64, u64)>,
     pub errors: usize,
+    /// The records that failed at least once (a failed record is retried, same bytes).
+    pub failed: std::collections::BTreeSet<u64>,
     pub churn: Vec<Churn>,
 }
 
@@ -159,10 +161,13 @@ impl Writer {
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
+        // One lock at a time: a struct literal keeps every guard it makes until its end.
+        let errors = self.log.errors.lock().unwrap().clone();
         WriterReport {
             acks: self.log.acks.lock().unwrap().clone(),
             starts: self.log.starts.lock().unwrap().clone(),
-            errors: self.log.errors.lock().unwrap().len(),
+            errors: errors.len(),
+            failed: errors.iter().map(|e| e.0).collect(),
             churn: self.log.churn.lock().unwrap().clone(),
         }
     }

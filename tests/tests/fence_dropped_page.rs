@@ -1,17 +1,17 @@
 //! What the fence cannot refuse: a buffered write on node A whose dirty page
 //! node A itself drops before it is written back.
 //!
-//! `BLKDISCARD` and `BLKZEROOUT` on a block device first drop the device's
-//! page cache over their range, dirty pages included (`blk_ioctl_discard`,
-//! `blk_ioctl_zeroout` → `truncate_bdev_range`), and only then send their
+//! `BLKDISCARD` and `BLKZEROOUT` on a block device (and `BLKSECDISCARD`, and
+//! `fallocate` on it) first drop the device's page cache over their range,
+//! dirty pages included (`truncate_bdev_range`), and only then send their
 //! request. After the fence the request fails, but the pages are gone: a
 //! writer that had written one of them and not yet synced it finds nothing
 //! to write back, and its fsync succeeds. The write never reached any
 //! storage, so the data is unchanged; only that writer's acknowledgement is
-//! wrong. No fence on the device can stop it (the pages sit above the
-//! device), and the one kernel switch that fails the ioctls before the drop,
-//! the block device's read-only flag (`BLKROSET`), stays on the loop device
-//! after it is detached, for whoever binds that number next.
+//! wrong. No fence on the device can stop it: the pages sit above the
+//! device. (The block device's read-only flag, `BLKROSET`, is no way out:
+//! it stays on the loop device after it is detached, for whoever binds that
+//! number next.)
 //!
 //! The fence torture test exempts exactly such acknowledgements (a buffered
 //! writer on a raw block volume, its write and sync overlapping node A's own
@@ -117,7 +117,12 @@ fn a_page_node_a_drops_itself_is_acknowledged_but_never_written() {
     ] {
         writer.write_all_at(&page(fill), at).unwrap();
         let own = range_ioctl(&dev.0.device, request, 0, 8 << 20);
-        assert!(own.is_err(), "{name} after the fence must fail: {own:?}");
+        // EIO: the request was sent, after the drop, and failed at the fence.
+        assert_eq!(
+            own.as_ref().map_err(|e| e.raw_os_error()),
+            Err(Some(libc::EIO)),
+            "{name} after the fence must fail at the device: {own:?}"
+        );
         let synced = writer.sync_data();
         assert!(
             synced.is_ok(),
@@ -135,4 +140,6 @@ fn a_page_node_a_drops_itself_is_acknowledged_but_never_written() {
         "the data changed after the fence"
     );
     drop(writer);
+    drop(dev);
+    env.assert_clean();
 }
