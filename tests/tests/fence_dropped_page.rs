@@ -24,7 +24,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use fencecsi_fence::kernel::loop_device::{self, AttachOptions, LoopInfo};
+use fencecsi_fence::kernel::loop_device::test_support::LoopGuard;
+use fencecsi_fence::kernel::loop_device::AttachOptions;
 use fencecsi_fence::kernel::loop_gate;
 use fencecsi_tests::{region_hash, require_root, Env};
 
@@ -33,17 +34,6 @@ const PAGE: usize = 4096;
 /// BLKDISCARD and BLKZEROOUT, `_IO(0x12, 119)` and `_IO(0x12, 127)`.
 const BLKDISCARD: libc::c_ulong = 0x1277;
 const BLKZEROOUT: libc::c_ulong = 0x127f;
-
-/// Detaches the gated device (and with it its gate) when dropped, panic or not.
-struct Attached(LoopInfo);
-
-impl Drop for Attached {
-    fn drop(&mut self) {
-        if let Err(e) = loop_device::detach(&self.0.device) {
-            eprintln!("cleanup: detach {}: {e}", self.0.device.display());
-        }
-    }
-}
 
 /// `ioctl` with a byte range on `dev`, as node A's other process would.
 fn range_ioctl(dev: &Path, request: libc::c_ulong, at: u64, len: u64) -> std::io::Result<()> {
@@ -84,11 +74,12 @@ fn a_page_node_a_drops_itself_is_acknowledged_but_never_written() {
         size_limit: DATA,
         logical_block_size: 0,
     };
-    let dev = Attached(loop_gate::attach_gated(&image, &opts).unwrap());
+    // Detaches the device above (and with it its gate) when dropped, panic or not.
+    let dev = LoopGuard(loop_gate::attach_gated(&image, &opts).unwrap());
     let writer = OpenOptions::new()
         .read(true)
         .write(true)
-        .open(&dev.0.device)
+        .open(dev.path())
         .unwrap();
     // Control: the device writes through before the fence.
     let before = [0x11u8; PAGE];
@@ -116,7 +107,7 @@ fn a_page_node_a_drops_itself_is_acknowledged_but_never_written() {
         (BLKZEROOUT, "BLKZEROOUT", 3 << 20, 0x44),
     ] {
         writer.write_all_at(&page(fill), at).unwrap();
-        let own = range_ioctl(&dev.0.device, request, 0, 8 << 20);
+        let own = range_ioctl(dev.path(), request, 0, 8 << 20);
         // EIO: the request was sent, after the drop, and failed at the fence.
         assert_eq!(
             own.as_ref().map_err(|e| e.raw_os_error()),
