@@ -20,7 +20,7 @@ use fencecsi_attacher::metrics::{ATTACH, DETACH, ERROR, SUCCESS};
 use fencecsi_attacher::Backoff;
 use fencecsi_cluster::k8s_openapi::api::core::v1::PersistentVolume;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
-use fencecsi_cluster::{Cluster, DeleteOptions, WatchEvent, WatchParams};
+use fencecsi_cluster::{DeleteOptions, EmbeddedCluster, WatchEvent, WatchParams};
 use fencecsi_driver::config::Mode;
 use fencecsi_tests::{block_cap, csi, Access, Env, InProcess};
 use futures::StreamExt;
@@ -181,7 +181,7 @@ async fn bench(n: usize, workers: usize) {
     let hwm_baseline = vm_kib("VmHWM:");
 
     // The cluster: node-a Ready with its CSINode, one PV per volume.
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     register_node(&cluster, "node-a", true).await;
     let pvs = cluster.api::<PersistentVolume>(None);
     for (i, h) in vols.iter().enumerate() {

@@ -27,9 +27,9 @@
 //! # async fn f() {
 //! use std::time::Duration;
 //! use fencecsi_attacher::{Attacher, Config};
-//! use fencecsi_cluster::Cluster;
+//! use fencecsi_cluster::EmbeddedCluster;
 //!
-//! let cluster = Cluster::embedded();
+//! let cluster = EmbeddedCluster::new().cluster();
 //! let mut cfg = Config::new("/run/fencecsi/controller.sock");
 //! cfg.resync = Duration::from_secs(5);
 //! let mut handle = Attacher::new(cluster.clone(), cfg).spawn();

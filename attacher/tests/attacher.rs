@@ -18,6 +18,7 @@ use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeSpec, PersistentVolume, Taint};
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeError};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{well_known, Cluster, DeleteOptions, WatchEvent, WatchParams, WatchStream};
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::kernel::files::is_immutable;
@@ -144,7 +145,7 @@ struct Setup {
     client: fencecsi_proto::client::CsiClient,
     /// The plugin's `/metrics`: the calls it answered, by method.
     plugin_http: std::net::SocketAddr,
-    cluster: Cluster,
+    cluster: EmbeddedCluster,
 }
 
 impl Setup {
@@ -154,7 +155,7 @@ impl Setup {
         let mut cfg = env.config(Mode::All, Some("node-a"), "all");
         cfg.http_endpoint = Some("127.0.0.1:0".parse().unwrap());
         let (plugin, client, plugin_http) = InProcess::start_with_metrics(cfg).await;
-        let cluster = Cluster::embedded();
+        let cluster = EmbeddedCluster::new();
         register_node(&cluster, "node-a", true).await;
         Setup {
             env,
@@ -199,7 +200,7 @@ impl Setup {
 async fn attach_then_detach_without_fence_on_a_ready_node() {
     require_root!();
     let s = Setup::new().await;
-    let mut a = spawn(s.cluster.clone(), test_config(&s.socket()));
+    let mut a = spawn(s.cluster.cluster(), test_config(&s.socket()));
     assert!(a.wait_active(T).await, "attacher active");
     assert_eq!(a.status().driver.as_deref(), Some(DRIVER));
     let (handle, name) = s.volume_and_va("pv-1", "node-a").await;
@@ -286,7 +287,7 @@ async fn attach_then_detach_without_fence_on_a_ready_node() {
 async fn an_attachment_the_plugin_lost_is_marked_and_published_again() {
     require_root!();
     let s = Setup::new().await;
-    let mut a = spawn(s.cluster.clone(), test_config(&s.socket()));
+    let mut a = spawn(s.cluster.cluster(), test_config(&s.socket()));
     assert!(a.wait_active(T).await, "attacher active");
     let (lost, lost_va) = s.volume_and_va("pv-lost", "node-a").await;
     let (kept, kept_va) = s.volume_and_va("pv-kept", "node-a").await;
@@ -331,7 +332,7 @@ async fn an_attachment_the_plugin_lost_is_marked_and_published_again() {
 async fn detach_fences_a_node_that_may_still_write() {
     require_root!();
     let s = Setup::new().await;
-    let mut a = spawn(s.cluster.clone(), test_config(&s.socket()));
+    let mut a = spawn(s.cluster.cluster(), test_config(&s.socket()));
     assert!(a.wait_active(T).await);
     let vas = s.cluster.api::<VolumeAttachment>(None);
 
@@ -374,7 +375,7 @@ async fn detach_fences_a_node_that_may_still_write() {
     a.shutdown().await.unwrap();
     let mut cfg = test_config(&s.socket());
     cfg.fence = FencePolicy::Never;
-    let mut b = spawn(s.cluster.clone(), cfg);
+    let mut b = spawn(s.cluster.cluster(), cfg);
     assert!(b.wait_active(T).await);
     set_ready(&s.cluster, "node-a", true).await;
     let mut n = nodes.get("node-a").await.unwrap();
@@ -417,7 +418,7 @@ async fn publish_failures_are_retried_with_growing_backoff_until_the_node_regist
     let env = Env::new();
     // A controller only: node-b's plugin is not running, so the driver does not know it.
     let (controller, client) = InProcess::start(env.config(Mode::Controller, None, "ctrl")).await;
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     register_node(&cluster, "node-b", true).await;
     let mut cfg = test_config(&env.socket("ctrl"));
     cfg.backoff.initial = Duration::from_millis(100);
@@ -513,7 +514,7 @@ async fn waits_for_the_plugin_and_reconnects_when_it_comes_back() {
     fencecsi_tests::init_tracing();
     let env = Env::new();
     let cfg_plugin = env.config(Mode::All, Some("node-a"), "all");
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     register_node(&cluster, "node-a", true).await;
 
     // No plugin answers yet: a stand-in on its socket accepts each connection and drops
@@ -602,7 +603,7 @@ async fn work_that_waited_for_the_plugin_is_retried_when_it_answers_not_after_it
     fencecsi_tests::init_tracing();
     let env = Env::new();
     let cfg_plugin = env.config(Mode::All, Some("node-a"), "all");
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     register_node(&cluster, "node-a", true).await;
     let (plugin, client) = InProcess::start(cfg_plugin.clone()).await;
     let mut cfg = test_config(&env.socket("all"));
@@ -656,7 +657,7 @@ async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
     let s = Setup::new().await;
     // The first attacher talks to the plugin through a proxy that can hold its calls.
     let proxy = GatedProxy::start(s.env.socket("proxy"), s.socket());
-    let mut a = spawn(s.cluster.clone(), test_config(&proxy.socket));
+    let mut a = spawn(s.cluster.cluster(), test_config(&proxy.socket));
     assert!(a.wait_active(T).await);
     let (handle, name) = s.volume_and_va("pv-k", "node-a").await;
     let attached = wait_attached(&s.cluster, &name, T).await;
@@ -686,7 +687,7 @@ async fn an_attacher_killed_mid_detach_is_finished_by_the_next_one() {
     assert!(!is_immutable(&generation_path(&s.env, &handle, gen)).unwrap());
 
     // A new instance finishes the job, fence included.
-    let mut b = spawn(s.cluster.clone(), test_config(&s.socket()));
+    let mut b = spawn(s.cluster.cluster(), test_config(&s.socket()));
     assert!(b.wait_active(T).await);
     wait_gone(&s.cluster, &name, T).await;
     assert!(published_nodes(&s.client, &handle).await.is_empty());
@@ -722,7 +723,7 @@ async fn with_leader_election_one_replica_acts_and_another_takes_over() {
         let mut cfg = test_config(&s.socket());
         cfg.identity = id.into();
         cfg.leader_election = le.clone();
-        spawn(s.cluster.clone(), cfg)
+        spawn(s.cluster.cluster(), cfg)
     };
     // a leads before b starts, so that b can only stand by.
     let mut a = replica("replica-a");
@@ -879,7 +880,7 @@ async fn volume_attachments_of_other_drivers_are_never_touched() {
     let s = Setup::new().await;
     let mut cfg = test_config(&s.socket());
     cfg.resync = Duration::from_millis(200);
-    let mut a = spawn(s.cluster.clone(), cfg);
+    let mut a = spawn(s.cluster.cluster(), cfg);
     assert!(a.wait_active(T).await);
     let other = "other.example.com";
     let pvs = s.cluster.api::<PersistentVolume>(None);
@@ -934,7 +935,7 @@ async fn graceful_shutdown_finishes_in_flight_calls_within_the_grace() {
     let mut cfg = test_config(&proxy.socket);
     cfg.timeout = Duration::from_secs(600);
     cfg.shutdown_grace = Duration::from_secs(600);
-    let attacher = Attacher::new(s.cluster.clone(), cfg);
+    let attacher = Attacher::new(s.cluster.cluster(), cfg);
     let mut status = attacher.status();
     let mut a = attacher.spawn();
     assert!(a.wait_active(T).await);
@@ -975,7 +976,7 @@ async fn graceful_shutdown_finishes_in_flight_calls_within_the_grace() {
     // The held call has no timeout that could end it within the test: a shutdown that
     // returns while it is held has abandoned it, at the grace.
     cfg.timeout = Duration::from_secs(600);
-    let mut b = spawn(s.cluster.clone(), cfg);
+    let mut b = spawn(s.cluster.cluster(), cfg);
     assert!(b.wait_active(T).await);
     let (handle2, name2) = s.volume_and_va("pv-g2", "node-a").await;
     wait_attached(&s.cluster, &name2, T).await;
@@ -998,7 +999,7 @@ async fn graceful_shutdown_finishes_in_flight_calls_within_the_grace() {
         "abandoned mid-call, not failed"
     );
     drop(proxy);
-    let c = spawn(s.cluster.clone(), test_config(&s.socket()));
+    let c = spawn(s.cluster.cluster(), test_config(&s.socket()));
     wait_gone(&s.cluster, &name2, T).await;
     assert!(published_nodes(&s.client, &handle2).await.is_empty());
     c.shutdown().await.unwrap();
@@ -1011,7 +1012,7 @@ async fn node_id_from_the_node_annotation_and_a_fenced_detach_after_the_node_is_
     fencecsi_tests::init_tracing();
     let env = Env::new();
     let (plugin, client) = InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await;
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     // No CSINode: only the Node's csi.volume.kubernetes.io/nodeid annotation names the ID.
     let mut n = node("kube-node-7", true);
     n.metadata.annotations = Some(
@@ -1112,7 +1113,7 @@ async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
             unhealthy_after: Duration::from_secs(3),
             ..Default::default()
         };
-        spawn(s.cluster.clone(), cfg)
+        spawn(s.cluster.cluster(), cfg)
     };
     let mut open = replica("open", "kube-system");
     let locked = replica("locked", "locked");

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
 use fencecsi_cluster::kube::client::Body;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Api, Cluster, ListParams};
 use http::{Request, Response};
 use serde::Serialize;
@@ -186,7 +187,7 @@ async fn main() {
     let rounds = env_or("BACKEND_BENCH_ROUNDS", 5).max(1);
     let gets = env_or("BACKEND_BENCH_GETS", 20_000).max(1);
     eprintln!("backend cost: {pods} pods, {rounds} rounds, {gets} gets per round");
-    let embedded = Cluster::embedded();
+    let embedded = EmbeddedCluster::new();
     let store = embedded.api::<Pod>(Some(NAMESPACE));
     let loaded = Instant::now();
     for i in 0..pods {

@@ -2,19 +2,12 @@
 
 use std::sync::Arc;
 
-use futures::stream::BoxStream;
-
-use crate::backend::KindBackend;
+use crate::backend::{KindBackend, WatchStream};
 use crate::error::{Error, Result};
 use crate::object::{HasStatus, Object};
 use crate::params::{
-    DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, WatchEvent, WatchParams,
+    DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, WatchParams,
 };
-
-/// A stream of watch events. It never ends by itself and never yields errors: both
-/// backends reconnect or re-list internally (logging through `tracing`) and report a
-/// re-list as [`WatchEvent::Listed`].
-pub type WatchStream<K> = BoxStream<'static, WatchEvent<K>>;
 
 /// Access to one kind, in one namespace or across all of them (cluster-scoped kinds
 /// ignore the namespace). Cheap to clone.
@@ -145,7 +138,7 @@ impl<K: Object> Api<K> {
         self.backend.delete(&ns, name, opts).await
     }
 
-    /// Watches this `Api`'s namespace (or all). See [`WatchParams`] and [`WatchEvent`].
+    /// Watches this `Api`'s namespace (or all). See [`WatchParams`] and [`crate::WatchEvent`].
     pub fn watch(&self, params: &WatchParams) -> Result<WatchStream<K>> {
         self.backend
             .clone()

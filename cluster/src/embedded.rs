@@ -20,8 +20,8 @@
 //!   fresh [`WatchEvent::Listed`]) instead of the store keeping unbounded history for it;
 //!   this is what kube's watcher does on `410 Gone`.
 //!
-//! For tests, `Cluster::cut_watches` makes the open watches of a kind go silent for good
-//! (a connection lost without the client noticing), and `Cluster::deny` answers Forbidden.
+//! For tests, `EmbeddedCluster::cut_watches` makes the open watches of a kind go silent for good
+//! (a connection lost without the client noticing), and `EmbeddedCluster::deny` answers Forbidden.
 //!
 //! Storage is one map per kind keyed by (namespace, name) holding `Arc<K>`, under a
 //! per-kind `RwLock`: reads clone only the objects they return, and lists filter before
@@ -81,7 +81,7 @@ impl Embedded {
     }
 
     /// The per-kind store, created on first use.
-    pub(crate) fn kind<K: Object>(&self) -> Arc<KindStore<K>> {
+    pub(crate) fn store<K: Object>(&self) -> Arc<KindStore<K>> {
         let mut kinds = self.kinds.lock().expect("embedded kinds lock");
         let entry = kinds.entry(TypeId::of::<K>()).or_insert_with(|| {
             let (tx, _) = broadcast::channel(self.config.watch_buffer.max(1));
@@ -142,9 +142,9 @@ pub(crate) struct KindStore<K> {
     tx: broadcast::Sender<Arc<Change<K>>>,
     history_cap: usize,
     /// Namespaces where reads and writes of single objects answer Forbidden, as an
-    /// API server does for a missing RBAC grant (tests: see `Cluster::deny`).
+    /// API server does for a missing RBAC grant (tests: see `EmbeddedCluster::deny`).
     denied: RwLock<BTreeSet<String>>,
-    /// How many times the open watches were cut (tests: see `Cluster::cut_watches`). A
+    /// How many times the open watches were cut (tests: see `EmbeddedCluster::cut_watches`). A
     /// watch started when the count was lower is silent.
     cuts: AtomicU64,
 }

@@ -1,59 +1,113 @@
-//! `Cluster`'s constructors and test controls for the embedded backend (feature
-//! `embedded`): how tests, benchmarks and the drill make an in-memory cluster and
-//! break it on purpose.
+//! The embedded cluster as a [`Cluster`]: how tests, benchmarks and the drill make one,
+//! and the controls that break it on purpose.
 
+use std::any::TypeId;
+use std::ops::Deref;
 use std::sync::Arc;
 
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::storage::v1::{CSIDriver, CSINode, VolumeAttachment};
+
+use crate::backend::{ClusterBackend, KindBackend, ServedKind};
 use crate::embedded::{Embedded, EmbeddedConfig};
 use crate::object::Object;
-use crate::{Cluster, Inner};
+use crate::Cluster;
 
-impl Cluster {
+impl ClusterBackend for Embedded {
+    fn name(&self) -> &'static str {
+        "embedded"
+    }
+
+    fn kind(&self, kind: TypeId) -> Option<ServedKind> {
+        // Every kind the seam implements `Object` for.
+        macro_rules! serve {
+            ($($k:ty),*) => {
+                $(if kind == TypeId::of::<$k>() {
+                    return Some(ServedKind::new(self.store::<$k>() as Arc<dyn KindBackend<$k>>));
+                })*
+            };
+        }
+        serve!(
+            Node,
+            Pod,
+            PersistentVolume,
+            PersistentVolumeClaim,
+            VolumeAttachment,
+            CSINode,
+            CSIDriver,
+            Lease,
+            Event
+        );
+        None
+    }
+}
+
+/// A fresh in-memory cluster. It derefs to its [`Cluster`], which the components take;
+/// the controls below exist only here, so nothing can call them on a real cluster.
+#[derive(Clone)]
+pub struct EmbeddedCluster {
+    store: Arc<Embedded>,
+    cluster: Cluster,
+}
+
+impl Default for EmbeddedCluster {
+    fn default() -> Self {
+        Self::with(EmbeddedConfig::default())
+    }
+}
+
+impl Deref for EmbeddedCluster {
+    type Target = Cluster;
+
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+impl EmbeddedCluster {
     /// A fresh, empty in-memory cluster.
-    pub fn embedded() -> Self {
-        Self::embedded_with(EmbeddedConfig::default())
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    pub fn embedded_with(config: EmbeddedConfig) -> Self {
-        Cluster {
-            inner: Inner::Embedded(Arc::new(Embedded::new(config))),
-        }
+    pub fn with(config: EmbeddedConfig) -> Self {
+        let store = Arc::new(Embedded::new(config));
+        let cluster = Cluster::from_backend(store.clone());
+        EmbeddedCluster { store, cluster }
     }
 
-    /// Embedded only: from now on, get, create, replace and the patches of kind `K`
-    /// in `namespace` answer Forbidden, as a real API server does for a missing RBAC
-    /// grant (deletes, status writes, lists and watches still answer). For tests of what a process does when
-    /// it may not touch what it needs. Does nothing on a real cluster.
+    /// The cluster, for the components (a clone shares the store).
+    pub fn cluster(&self) -> Cluster {
+        self.cluster.clone()
+    }
+
+    /// From now on, get, create, replace and the patches of kind `K` in `namespace`
+    /// answer Forbidden, as a real API server does for a missing RBAC grant (deletes,
+    /// status writes, lists and watches still answer). For tests of what a process does
+    /// when it may not touch what it needs.
     pub fn deny<K: Object>(&self, namespace: &str) {
-        if let Inner::Embedded(e) = &self.inner {
-            e.kind::<K>().deny(namespace);
-        }
+        self.store.store::<K>().deny(namespace);
     }
 
-    /// Embedded only: undoes [`Cluster::deny`] (the callers can reach it again).
+    /// Undoes [`EmbeddedCluster::deny`] (the callers can reach it again).
     pub fn allow<K: Object>(&self, namespace: &str) {
-        if let Inner::Embedded(e) = &self.inner {
-            e.kind::<K>().allow(namespace);
-        }
+        self.store.store::<K>().allow(namespace);
     }
 
-    /// Embedded only: every watch of kind `K` open now goes silent. It delivers nothing
-    /// more and never ends, as a watch does whose connection was lost without the client
-    /// noticing (a network cut with no TCP keepalive, a server or proxy that dropped it).
-    /// Watches started later work. For tests of what a process does when its watch dies
-    /// without a sign. Does nothing on a real cluster.
+    /// Every watch of kind `K` open now goes silent. It delivers nothing more and never
+    /// ends, as a watch does whose connection was lost without the client noticing (a
+    /// network cut with no TCP keepalive, a server or proxy that dropped it). Watches
+    /// started later work. For tests of what a process does when its watch dies without
+    /// a sign.
     pub fn cut_watches<K: Object>(&self) {
-        if let Inner::Embedded(e) = &self.inner {
-            e.kind::<K>().cut_watches();
-        }
+        self.store.store::<K>().cut_watches();
     }
 
-    /// Embedded only: how many objects of kind `K` are stored (all namespaces). `None`
-    /// on a real cluster. For tests and benchmarks.
-    pub fn embedded_count<K: Object>(&self) -> Option<usize> {
-        match &self.inner {
-            Inner::Embedded(e) => Some(e.kind::<K>().len()),
-            Inner::Kube(_) => None,
-        }
+    /// How many objects of kind `K` are stored (all namespaces). For tests and
+    /// benchmarks.
+    pub fn count<K: Object>(&self) -> usize {
+        self.store.store::<K>().len()
     }
 }

@@ -7,8 +7,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 
-use crate::api::WatchStream;
-use crate::backend::{Filter, KindBackend};
+use crate::backend::{Filter, KindBackend, WatchStream};
 use crate::embedded::{KindStore, Matcher};
 use crate::error::Result;
 use crate::object::{HasStatus, Object};

@@ -11,8 +11,7 @@ use futures::StreamExt;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{json, Map, Value};
 
-use crate::api::WatchStream;
-use crate::backend::{Filter, KindBackend};
+use crate::backend::{Filter, KindBackend, WatchStream};
 use crate::error::{Error, Result};
 use crate::object::{HasStatus, Object};
 use crate::params::{

@@ -2,7 +2,7 @@
 //! backends.
 //!
 //! - [`Cluster::kube`]: a real API server through kube-rs (production).
-//! - `Cluster::embedded` (feature `embedded`, off by default): an in-memory cluster with
+//! - `EmbeddedCluster` (feature `embedded`, off by default): an in-memory cluster with
 //!   the Kubernetes semantics the controllers rely on (resourceVersion conflicts,
 //!   finalizers, deletionTimestamp and pod grace periods, force delete, delete
 //!   preconditions, status subresource, ordered watches with bounded memory). Tests,
@@ -24,7 +24,7 @@
 //! const FIN: &str = "external-attacher/fencecsi.example.com";
 //!
 //! // Production: `Cluster::connect(None).await?` (kube's usual configuration, watches
-//! // paced); tests, benchmarks and the drill: `Cluster::embedded()` (feature `embedded`).
+//! // paced); tests, benchmarks and the drill: `EmbeddedCluster::new()` (feature `embedded`).
 //! async fn attach_loop(cluster: &Cluster) -> fencecsi_cluster::Result<()> {
 //!     let vas = cluster.api::<VolumeAttachment>(None);
 //!     let mut events = vas.watch(&WatchParams::default())?; // Listed(all), then changes
@@ -75,12 +75,16 @@ pub mod sim;
 pub mod watch_pacing;
 pub mod well_known;
 
+use std::any::TypeId;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use api::{Api, WatchStream};
+pub use api::Api;
+pub use backend::{ClusterBackend, Filter, KindBackend, ServedKind, WatchStream};
 #[cfg(feature = "embedded")]
 pub use embedded::EmbeddedConfig;
+#[cfg(feature = "embedded")]
+pub use embedded_cluster::EmbeddedCluster;
 pub use error::{Error, Result};
 pub use events::{object_ref, EventRecorder, EventType};
 pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle};
@@ -97,9 +101,9 @@ pub use kube;
 
 #[derive(Clone)]
 enum Inner {
-    #[cfg(feature = "embedded")]
-    Embedded(Arc<embedded::Embedded>),
     Kube(kube::Client),
+    /// Another backend: the embedded cluster of tests, benchmarks and the drill.
+    Other(Arc<dyn ClusterBackend>),
 }
 
 /// A handle on a cluster, real or embedded. Cheap to clone; clones share the cluster.
@@ -110,11 +114,10 @@ pub struct Cluster {
 
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self.inner {
-            #[cfg(feature = "embedded")]
-            Inner::Embedded(_) => "Cluster(embedded)",
-            Inner::Kube(_) => "Cluster(kube)",
-        })
+        match &self.inner {
+            Inner::Kube(_) => f.write_str("Cluster(kube)"),
+            Inner::Other(b) => write!(f, "Cluster({})", b.name()),
+        }
     }
 }
 
@@ -123,6 +126,13 @@ impl Cluster {
     pub fn kube(client: kube::Client) -> Self {
         Cluster {
             inner: Inner::Kube(client),
+        }
+    }
+
+    /// A cluster served by `backend` (the embedded cluster's constructors use this).
+    pub fn from_backend(backend: Arc<dyn ClusterBackend>) -> Self {
+        Cluster {
+            inner: Inner::Other(backend),
         }
     }
 
@@ -158,18 +168,21 @@ impl Cluster {
         Ok(Self::kube(client))
     }
 
-    /// Whether this is the in-memory cluster (always false without the `embedded` feature).
-    pub fn is_embedded(&self) -> bool {
-        !matches!(self.inner, Inner::Kube(_))
+    /// Whether this is a real API server (not the embedded cluster).
+    pub fn is_kube(&self) -> bool {
+        matches!(self.inner, Inner::Kube(_))
     }
 
     /// Typed access to kind `K`, bound to `namespace` (ignored for cluster-scoped kinds;
     /// `None` on a namespaced kind means all namespaces for list/watch).
     pub fn api<K: Object>(&self, namespace: Option<&str>) -> Api<K> {
-        let backend: Arc<dyn backend::KindBackend<K>> = match &self.inner {
-            #[cfg(feature = "embedded")]
-            Inner::Embedded(e) => e.kind::<K>(),
+        let backend: Arc<dyn KindBackend<K>> = match &self.inner {
             Inner::Kube(c) => Arc::new(kube_backend::KubeKind::new(c.clone())),
+            Inner::Other(b) => b
+                .kind(TypeId::of::<K>())
+                .and_then(ServedKind::of::<K>)
+                // A programming error of the backend, found by the first test that asks.
+                .unwrap_or_else(|| panic!("the {} cluster does not serve {}", b.name(), K::KIND)),
         };
         let namespace = if K::NAMESPACED {
             namespace.map(str::to_string)
@@ -183,8 +196,7 @@ impl Cluster {
     pub(crate) fn kube_client(&self) -> Option<kube::Client> {
         match &self.inner {
             Inner::Kube(c) => Some(c.clone()),
-            #[cfg(feature = "embedded")]
-            Inner::Embedded(_) => None,
+            Inner::Other(_) => None,
         }
     }
 }

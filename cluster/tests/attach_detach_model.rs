@@ -16,6 +16,7 @@ use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta
 use fencecsi_cluster::sim::attach_detach::{csi_unique_name, AttachDetach, AttachDetachConfig};
 use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::volume_attachment_name;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, DeleteOptions};
 
 const DRIVER: &str = "loop.example.com";
@@ -75,7 +76,7 @@ async fn gone(c: &Cluster, name: &str) {
 
 #[tokio::test]
 async fn the_model_keeps_its_own_view() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     for n in ["a", "b"] {
         c.api::<Node>(None).create(&ready_node(n)).await.unwrap();
     }

@@ -9,9 +9,9 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
     Node, NodeSpec, Pod, PodSpec, PodStatus, Taint,
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{
-    Cluster, DeleteOptions, EmbeddedConfig, ListParams, MetadataPatch, WatchEvent, WatchParams,
-    WatchStream,
+    DeleteOptions, EmbeddedConfig, ListParams, MetadataPatch, WatchEvent, WatchParams, WatchStream,
 };
 use futures::StreamExt;
 
@@ -64,7 +64,7 @@ fn name<K: fencecsi_cluster::Object>(o: &K) -> String {
 
 #[tokio::test]
 async fn resource_version_is_global_and_increasing() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let n = c.api::<Node>(None).create(&node("n1")).await.unwrap();
     let p = c
         .api::<Pod>(Some("a"))
@@ -87,7 +87,7 @@ async fn resource_version_is_global_and_increasing() {
 
 #[tokio::test]
 async fn taints_are_plain_spec_fields_and_bump_generation() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let nodes = c.api::<Node>(None);
     let n = nodes.create(&node("n1")).await.unwrap();
     assert_eq!(n.metadata.generation, Some(1));
@@ -121,7 +121,7 @@ async fn taints_are_plain_spec_fields_and_bump_generation() {
 
 #[tokio::test]
 async fn namespaces_are_separate_and_cluster_kinds_ignore_them() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     c.api::<Pod>(Some("a"))
         .create(&pod("same", "a", "n"))
         .await
@@ -172,12 +172,12 @@ async fn namespaces_are_separate_and_cluster_kinds_ignore_them() {
         .metadata
         .namespace
         .is_none());
-    assert_eq!(c.embedded_count::<Pod>(), Some(3));
+    assert_eq!(c.count::<Pod>(), 3);
 }
 
 #[tokio::test]
 async fn validation_errors() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let pods = c.api::<Pod>(Some("a"));
     assert!(pods
         .create(&pod("Bad_Name", "a", "n"))
@@ -219,7 +219,7 @@ async fn validation_errors() {
 
 #[tokio::test]
 async fn finished_pods_delete_at_once_and_grace_defaults_to_spec() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let pods = c.api::<Pod>(Some("a"));
     let mut p = pods.create(&pod("done", "a", "n1")).await.unwrap();
     p.status = Some(PodStatus {
@@ -252,7 +252,7 @@ async fn finished_pods_delete_at_once_and_grace_defaults_to_spec() {
 
 #[tokio::test]
 async fn node_index_tracks_changes() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let pods = c.api::<Pod>(None);
     for i in 0..30 {
         c.api::<Pod>(Some("ns"))
@@ -290,7 +290,7 @@ async fn node_index_tracks_changes() {
 
 #[tokio::test]
 async fn every_watcher_sees_every_change_in_order() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let leases = c.api::<Lease>(Some("kube-node-lease"));
     let mut w1 = leases.watch(&WatchParams::default()).unwrap();
     let mut w2 = leases.watch(&WatchParams::default()).unwrap();
@@ -323,7 +323,7 @@ async fn every_watcher_sees_every_change_in_order() {
 
 #[tokio::test]
 async fn slow_watcher_is_relisted_not_buffered() {
-    let c = Cluster::embedded_with(EmbeddedConfig {
+    let c = EmbeddedCluster::with(EmbeddedConfig {
         watch_buffer: 8,
         history: 8,
     });
@@ -350,7 +350,7 @@ async fn slow_watcher_is_relisted_not_buffered() {
 
 #[tokio::test]
 async fn watch_from_resource_version_replays_or_relists() {
-    let c = Cluster::embedded_with(EmbeddedConfig {
+    let c = EmbeddedCluster::with(EmbeddedConfig {
         watch_buffer: 64,
         history: 4,
     });
@@ -378,7 +378,7 @@ async fn watch_from_resource_version_replays_or_relists() {
 /// watches, go on.
 #[tokio::test]
 async fn a_cut_watch_goes_silent_and_later_watches_deliver() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let nodes = c.api::<Node>(None);
     nodes.create(&node("a")).await.unwrap();
     let mut cut = nodes.watch(&WatchParams::default()).unwrap();
@@ -428,7 +428,7 @@ async fn a_cut_watch_goes_silent_and_later_watches_deliver() {
 
 #[tokio::test]
 async fn selector_watch_sees_objects_enter_and_leave() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let nodes = c.api::<Node>(None);
     let mut w = nodes
         .watch(&WatchParams::default().labels("pool=a"))
@@ -460,7 +460,7 @@ async fn selector_watch_sees_objects_enter_and_leave() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_writers_lose_no_update() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let nodes = c.api::<Node>(None);
     nodes.create(&node("counter")).await.unwrap();
     let mut tasks = Vec::new();
@@ -510,7 +510,7 @@ async fn scale_smoke() {
 }
 
 async fn scale(nodes_n: usize, pods_n: usize) -> (Duration, Duration) {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let t = Instant::now();
     let nodes = c.api::<Node>(None);
     for i in 0..nodes_n {
@@ -562,7 +562,7 @@ async fn scale(nodes_n: usize, pods_n: usize) -> (Duration, Duration) {
 /// delivers changes as any watch does. Control: the same watch without it lists them.
 #[tokio::test]
 async fn a_changes_only_watch_lists_nothing_and_then_sees_changes() {
-    let c = Cluster::embedded();
+    let c = EmbeddedCluster::new();
     let pods = c.api::<Pod>(Some("ns"));
     for i in 0..3 {
         pods.create(&pod(&format!("p{i}"), "ns", "n1"))

@@ -696,12 +696,12 @@ const LIFT_CHANCES: usize = 5;
 /// the cache says lift. Returns whether podgc lifted within [`LIFT_CHANCES`] passes, and
 /// the cluster.
 async fn lift_with_watches_behind(change: BehindTheWatch) -> (bool, Cluster) {
-    let c = cluster(&["n1", "n2", "n3"]).await;
+    let c = embedded(&["n1", "n2", "n3"]).await;
     renew_lease(&c, "n1").await;
     let (_, va) = pod(&c, "db-0", "n1", Some((SAFE, "ReadWriteOnce"))).await;
     terminate(&c, "db-0").await;
     let h = PodGc::new(
-        c.clone(),
+        c.cluster(),
         PodGcConfig {
             shutdown_grace: Duration::from_secs(3600),
             node_lease_grace: Some(Duration::from_secs(1)),
@@ -782,7 +782,7 @@ async fn lift_with_watches_behind(change: BehindTheWatch) -> (bool, Cluster) {
         "the pass summaries and the Node agree"
     );
     h.shutdown().await.unwrap();
-    (lifted, c)
+    (lifted, c.cluster())
 }
 
 /// Issue 17: the lift was decided on the cache, so a Node watch behind (an API server
@@ -1339,7 +1339,7 @@ async fn a_podgc_that_starts_leading_gives_every_down_node_a_full_grace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let c = cluster(&["n1"]).await;
+    let c = embedded(&["n1"]).await;
     // The API server forbids Leases in "locked" (say, RBAC for another namespace).
     c.deny::<fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease>("locked");
     let instance = |id: &str, ns: &str| {
@@ -1357,7 +1357,7 @@ async fn healthz_turns_unhealthy_while_the_election_is_forbidden() {
                 // the same.
                 .unhealthy_after(Duration::from_secs(3)),
         );
-        PodGc::new(c.clone(), cfg)
+        PodGc::new(c.cluster(), cfg)
     };
     let (open, locked) = (
         instance("open", "kube-system"),

@@ -15,6 +15,7 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
 use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::{NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION};
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, MetadataPatch};
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::node::recover::{PassReport, RecoveryHandle};
@@ -27,7 +28,7 @@ use tonic::Code;
 struct Setup {
     env: Env,
     rig: Rig,
-    cluster: Cluster,
+    cluster: EmbeddedCluster,
     tee: Arc<RecordingReporter>,
 }
 
@@ -35,7 +36,7 @@ async fn setup() -> Setup {
     fencecsi_tests::init_tracing();
     let env = Env::new();
     let rig = Rig::start(&env, &["node-b"]).await;
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new();
     cluster
         .api::<Node>(None)
         .create(&ready_node("node-a"))

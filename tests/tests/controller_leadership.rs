@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use fencecsi_cluster::Cluster;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::replica::{Replica, LEASE, NS, RENEW, RETRY};
 use fencecsi_tests::rig::{create_request, volume_ids};
@@ -51,7 +52,7 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     require_root!();
     fencecsi_tests::init_tracing();
     let env = Env::new();
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new();
 
     let mut a = Replica::start(&env, &cluster, "controller-a");
     let mut ca = a.client().await;
@@ -210,7 +211,7 @@ async fn release_the_lease(cluster: &Cluster, held: &Lease) {
 async fn a_standby_without_a_leader_answers_unavailable() {
     require_root!();
     let env = Env::new();
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new();
     let held = hold_the_lease_elsewhere(&cluster).await;
     let mut b = Replica::start(&env, &cluster, "controller-b");
     let mut cb = b.client().await;
@@ -248,7 +249,7 @@ async fn a_standby_without_a_leader_answers_unavailable() {
 async fn a_call_forwarded_to_a_frozen_leader_does_not_hold_up_the_takeover() {
     require_root!();
     let env = Env::new();
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new();
     let held = hold_the_lease_elsewhere(&cluster).await;
     // The frozen leader: a socket that is listened on and never accepted from.
     let socket = fencecsi_driver::locks::leader_socket(&env.state_dir());

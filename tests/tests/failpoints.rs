@@ -298,7 +298,9 @@ fn simulator_symbols(symbols: &[String]) -> Vec<&String> {
 fn the_production_binaries_carry_no_simulator() {
     // Positive control: this test binary links the embedded cluster (the reference
     // below keeps it), and the check finds it.
-    std::hint::black_box(fencecsi_cluster::Cluster::embedded as fn() -> fencecsi_cluster::Cluster);
+    std::hint::black_box(
+        fencecsi_cluster::EmbeddedCluster::new as fn() -> fencecsi_cluster::EmbeddedCluster,
+    );
     let me = std::fs::read(std::env::current_exe().unwrap()).expect("reading the test binary");
     assert!(
         !simulator_symbols(&elf_symbols(&me)).is_empty(),

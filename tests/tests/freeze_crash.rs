@@ -44,7 +44,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
-use fencecsi_cluster::Cluster;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_driver::config::{Config, Mode};
 use fencecsi_driver::controller::FP_COPYING;
 use fencecsi_driver::failpoint;
@@ -583,7 +583,7 @@ async fn a_frozen_controller_is_taken_over_and_its_freeze_thawed_by_the_new_lead
         "nothing killed it yet"
     );
 
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new();
     let mut leader = Replica::start_with(replica_config(&env, "leader"), &cluster);
     rig.controller = leader.wait_leading(Duration::from_secs(60)).await;
     assert_ne!(
@@ -944,7 +944,7 @@ async fn a_freeze_is_let_go_at_its_bound() {
 async fn a_leader_that_loses_its_lease_thaws_its_freezes_as_it_gives_up() {
     require_root!();
     let (_outer, env) = ext4_backing();
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new();
     let mut cfg = replica_config(&env, "leader");
     // Losing the Lease, not the bound, must end this freeze.
     cfg.max_freeze = Duration::from_secs(600);

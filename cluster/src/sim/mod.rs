@@ -795,7 +795,7 @@ mod tests {
 
     #[tokio::test]
     async fn heartbeat_lifecycle_and_eviction_make_pods_terminating() {
-        let c = Cluster::embedded();
+        let c = crate::EmbeddedCluster::new();
         let kubelet = KubeletHeartbeat::new(
             &c,
             "n1",

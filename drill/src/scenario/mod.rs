@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail};
-use fencecsi_cluster::Cluster;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_tests::Env;
 
 use crate::kubelet::Board;
@@ -125,7 +125,7 @@ async fn scenario(
     let p = &opts.progress;
     let names = node_names(opts.nodes);
     let node_a = names[0].clone();
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     let mut failures: Vec<String> = vec![];
 
     let rig = setup::start(env, opts, procs, board, &cluster, &names).await?;

@@ -224,12 +224,13 @@ impl CleanReporter for NodeCleanReporter {
 
 #[cfg(test)]
 mod tests {
-    //! The report with a Node watch that goes silent (`Cluster::cut_watches`: nothing more
+    //! The report with a Node watch that goes silent (`EmbeddedCluster::cut_watches`: nothing more
     //! arrives and nothing says so) and, as the control, with a live one. `pass` stands in
     //! for the recovery loop: a clean pass calls `report_clean` with its start time.
 
     use super::*;
     use fencecsi_cluster::sim::ready_node;
+    use fencecsi_cluster::EmbeddedCluster;
 
     const NODE: &str = "n1";
     /// Time between recovery passes here.
@@ -243,8 +244,8 @@ mod tests {
     /// than the reporters above take to report (a busy machine only lengthens it).
     const WINDOW: Duration = Duration::from_secs(3);
 
-    async fn cluster() -> Cluster {
-        let c = Cluster::embedded();
+    async fn cluster() -> EmbeddedCluster {
+        let c = EmbeddedCluster::new();
         c.api::<Node>(None).create(&ready_node(NODE)).await.unwrap();
         c
     }

@@ -33,6 +33,7 @@ use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::{
     volume_attachment_name, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY, SAFE_DETACH_ANNOTATION,
 };
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
 
 use fencecsi_podgc::{disrupt_and_delete, PodGc, PodGcConfig};
@@ -581,7 +582,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<BenchReport> {
     );
     anyhow::ensure!(a.rounds * 2 <= a.nodes, "need at least 2 nodes per round");
     let mut r = BenchReport::default();
-    let cluster = Cluster::embedded();
+    let cluster = EmbeddedCluster::new().cluster();
     reset_peak();
     r.rss_before_load_mib = memory_mib().1;
     let t = Instant::now();

@@ -12,6 +12,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, 
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::*;
+use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
 use fencecsi_podgc::PodGcConfig;
 
@@ -30,7 +31,12 @@ pub fn meta(name: &str, ns: Option<&str>) -> ObjectMeta {
 }
 
 pub async fn cluster(nodes: &[&str]) -> Cluster {
-    let c = Cluster::embedded();
+    embedded(nodes).await.cluster()
+}
+
+/// [`cluster`], with the embedded cluster's controls.
+pub async fn embedded(nodes: &[&str]) -> EmbeddedCluster {
+    let c = EmbeddedCluster::new();
     for (name, safe) in [(SAFE, true), (UNSAFE, false)] {
         let mut d = CSIDriver {
             metadata: meta(name, None),
