@@ -20,8 +20,9 @@ use fencecsi_attacher::metrics::{ATTACH, DETACH, ERROR, SUCCESS};
 use fencecsi_attacher::Backoff;
 use fencecsi_cluster::k8s_openapi::api::core::v1::PersistentVolume;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
-use fencecsi_cluster::{DeleteOptions, EmbeddedCluster, WatchEvent, WatchParams};
+use fencecsi_cluster::{DeleteOptions, WatchEvent, WatchParams};
 use fencecsi_driver::config::Mode;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_tests::{block_cap, csi, Access, Env, InProcess};
 use futures::StreamExt;
 

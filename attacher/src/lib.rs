@@ -27,7 +27,7 @@
 //! # async fn f() {
 //! use std::time::Duration;
 //! use fencecsi_attacher::{Attacher, Config};
-//! use fencecsi_cluster::EmbeddedCluster;
+//! use fencecsi_embedded_cluster::EmbeddedCluster;
 //!
 //! let cluster = EmbeddedCluster::new().cluster();
 //! let mut cfg = Config::new("/run/fencecsi/controller.sock");

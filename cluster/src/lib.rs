@@ -2,13 +2,10 @@
 //! backends.
 //!
 //! - [`Cluster::kube`]: a real API server through kube-rs (production).
-//! - `EmbeddedCluster` (feature `embedded`, off by default): an in-memory cluster with
-//!   the Kubernetes semantics the controllers rely on (resourceVersion conflicts,
-//!   finalizers, deletionTimestamp and pod grace periods, force delete, delete
-//!   preconditions, status subresource, ordered watches with bounded memory). Tests,
-//!   benchmarks and the local drill run the unchanged controllers on it; the production
-//!   binaries are built without it, and without the kubelet/controller simulations of
-//!   `sim` that come with it. See the `embedded` module for the rules it follows.
+//! - [`Cluster::from_backend`]: any other [`ClusterBackend`]. The one in this workspace
+//!   is the embedded in-memory cluster of crate `fencecsi-embedded-cluster`, with the Kubernetes
+//!   semantics the controllers rely on: tests, benchmarks and the local drill run the
+//!   unchanged controllers on it. The production binaries do not link it.
 //!
 //! Objects are k8s-openapi types (Kubernetes 1.37 API): Node, Pod, PersistentVolume,
 //! PersistentVolumeClaim, VolumeAttachment, CSINode, CSIDriver, Lease
@@ -24,7 +21,7 @@
 //! const FIN: &str = "external-attacher/fencecsi.example.com";
 //!
 //! // Production: `Cluster::connect(None).await?` (kube's usual configuration, watches
-//! // paced); tests, benchmarks and the drill: `EmbeddedCluster::new()` (feature `embedded`).
+//! // paced); tests, benchmarks and the drill: `EmbeddedCluster::new().cluster()`.
 //! async fn attach_loop(cluster: &Cluster) -> fencecsi_cluster::Result<()> {
 //!     let vas = cluster.api::<VolumeAttachment>(None);
 //!     let mut events = vas.watch(&WatchParams::default())?; // Listed(all), then changes
@@ -49,19 +46,14 @@
 //! }
 //! ```
 //!
-//! Tests of this crate's own contract live in `tests/contract.rs` and run against both
-//! backends (the embedded one with `--features embedded`, the real one only when
-//! `FENCECSI_TEST_KUBECONFIG` names a kubeconfig).
+//! The seam's contract is tested on both backends in `fencecsi-embedded-cluster`'s
+//! `tests/contract.rs` (the real one only when `FENCECSI_TEST_KUBECONFIG` names a
+//! kubeconfig); this crate's `tests/kube_mock.rs` drives the kube backend against a
+//! scripted API server.
 
 mod api;
 mod backend;
 pub mod cli;
-#[cfg(feature = "embedded")]
-pub mod embedded;
-#[cfg(feature = "embedded")]
-mod embedded_cluster;
-#[cfg(feature = "embedded")]
-mod embedded_kind;
 mod error;
 mod events;
 pub mod http;
@@ -70,8 +62,6 @@ mod leader;
 mod object;
 mod params;
 mod selector;
-#[cfg(feature = "embedded")]
-pub mod sim;
 pub mod watch_pacing;
 pub mod well_known;
 
@@ -81,10 +71,6 @@ use std::sync::Arc;
 
 pub use api::Api;
 pub use backend::{ClusterBackend, Filter, KindBackend, ServedKind, WatchStream};
-#[cfg(feature = "embedded")]
-pub use embedded::EmbeddedConfig;
-#[cfg(feature = "embedded")]
-pub use embedded_cluster::EmbeddedCluster;
 pub use error::{Error, Result};
 pub use events::{object_ref, EventRecorder, EventType};
 pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle};
@@ -129,7 +115,7 @@ impl Cluster {
         }
     }
 
-    /// A cluster served by `backend` (the embedded cluster's constructors use this).
+    /// A cluster served by `backend` (the embedded cluster's constructor uses this).
     pub fn from_backend(backend: Arc<dyn ClusterBackend>) -> Self {
         Cluster {
             inner: Inner::Other(backend),

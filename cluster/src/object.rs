@@ -303,18 +303,3 @@ fn meta_field<K: k8s_openapi::Metadata<Ty = ObjectMeta>>(obj: &K, name: &str) ->
         _ => String::new(),
     }
 }
-
-/// True if `field` is a field label the API server accepts for `K`.
-#[cfg(feature = "embedded")]
-pub(crate) fn supports_field<K: Object>(field: &str) -> bool {
-    field == "metadata.name" || field == "metadata.namespace" || K::FIELDS.contains(&field)
-}
-
-/// `kind/namespace/name` for messages.
-#[cfg(feature = "embedded")]
-pub(crate) fn describe<K: Object>(namespace: Option<&str>, name: &str) -> String {
-    match namespace {
-        Some(ns) => format!("{} {ns}/{name}", K::KIND),
-        None => format!("{} {name}", K::KIND),
-    }
-}

@@ -206,8 +206,9 @@ impl MetadataPatch {
         self
     }
 
-    /// Applies the patch to `meta`; returns whether anything changed.
-    pub(crate) fn apply_to(
+    /// Applies the patch to `meta`; returns whether anything changed. Backends that store
+    /// objects themselves (the embedded cluster) patch with this.
+    pub fn apply_to(
         &self,
         meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     ) -> bool {

@@ -20,9 +20,9 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
     PersistentVolume, PersistentVolumeClaim, Pod, PodCondition, PodStatus,
 };
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
-use fencecsi_cluster::sim::attach_detach::csi_unique_name;
 use fencecsi_cluster::well_known::{volume_attachment_name, DRIVER_NAME};
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
+use fencecsi_embedded_cluster::sim::attach_detach::csi_unique_name;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::rig::retry_aborted;
 use fencecsi_tests::{csi, mount_cap, Access};

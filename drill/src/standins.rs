@@ -1,6 +1,6 @@
 //! What a real cluster has and the embedded one does not, reduced to what the drill needs:
 //! a provisioner (external-provisioner) and a StatefulSet controller. The attach-detach
-//! controller is `fencecsi_cluster::sim::attach_detach`, shared with the tests. Each is a small polling loop over the cluster
+//! controller is `fencecsi_embedded_cluster::sim::attach_detach`, shared with the tests. Each is a small polling loop over the cluster
 //! seam.
 
 use std::collections::{BTreeMap, HashSet};
@@ -15,8 +15,8 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use fencecsi_cluster::sim::{ready_condition, NOT_READY_TAINT_KEY, UNREACHABLE_TAINT_KEY};
 use fencecsi_cluster::{Cluster, ListParams};
+use fencecsi_embedded_cluster::sim::{ready_condition, NOT_READY_TAINT_KEY, UNREACHABLE_TAINT_KEY};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::rig::retry_aborted;
 use fencecsi_tests::{csi, mount_cap, Access};

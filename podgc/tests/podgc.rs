@@ -12,7 +12,6 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, NodeCondition, Pod, Tai
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
-use fencecsi_cluster::sim;
 use fencecsi_cluster::well_known::*;
 use fencecsi_cluster::{
     Cluster, DeleteOptions, LeaderElectionConfig, ListParams, MetadataPatch, WatchEvent,
@@ -20,6 +19,7 @@ use fencecsi_cluster::{
 };
 use fencecsi_driver::node::recover::CleanReporter;
 use fencecsi_driver::node::report::NodeCleanReporter;
+use fencecsi_embedded_cluster::sim;
 use fencecsi_podgc::annotations::{FENCES_DONE, OUT_OF_SERVICE_ADDED};
 use fencecsi_podgc::{disrupt_and_delete, DeleteResult, PodGc, PodGcConfig, PodGcHandle};
 use futures::StreamExt;

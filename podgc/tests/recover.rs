@@ -13,13 +13,13 @@ use std::time::Duration;
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::Node;
 use fencecsi_cluster::k8s_openapi::jiff::Timestamp;
-use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::{NODE_CLEAN_ANNOTATION, QUARANTINED_AT_ANNOTATION};
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, MetadataPatch};
 use fencecsi_driver::config::Mode;
 use fencecsi_driver::node::recover::{PassReport, RecoveryHandle};
 use fencecsi_driver::node::report::NodeCleanReporter;
+use fencecsi_embedded_cluster::sim::ready_node;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_tests::recovering::{RecordingReporter, RecoveringNode};
 use fencecsi_tests::rig::{Placement, Rig};
 use fencecsi_tests::{csi, generation_path, mount_cap, require_root, Access, Env};

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use fencecsi_cluster::Cluster;
-use fencecsi_cluster::EmbeddedCluster;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::replica::{Replica, LEASE, NS, RENEW, RETRY};
 use fencecsi_tests::rig::{create_request, volume_ids};

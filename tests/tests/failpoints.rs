@@ -2,8 +2,8 @@
 //! tests only (the driver's `failpoints` feature, off by default): the
 //! production binary must not have them, so that no environment variable can
 //! abort the daemon or fake a failed fence probe. Nor may the daemons carry the
-//! embedded API server or the controller simulations (fencecsi-cluster's
-//! `embedded` feature). Checked on built binaries' symbols and on how the image
+//! embedded cluster or the controller simulations (crate
+//! fencecsi-embedded-cluster). Checked on built binaries' symbols and on how the image
 //! build resolves features.
 
 use std::path::Path;
@@ -279,15 +279,13 @@ fn the_image_build_leaves_failpoints_off() {
     }
 }
 
-/// The names of symbols from the embedded API server and the controller
-/// simulations (fencecsi-cluster's `embedded` feature: modules `embedded`, `sim`),
-/// in either symbol mangling (both length-prefix each path segment).
+/// The names of symbols from the embedded cluster and the controller simulations
+/// (crate fencecsi-embedded-cluster), in either symbol mangling (both length-prefix the
+/// crate's name).
 fn simulator_symbols(symbols: &[String]) -> Vec<&String> {
     symbols
         .iter()
-        .filter(|s| {
-            s.contains("16fencecsi_cluster8embedded") || s.contains("16fencecsi_cluster3sim")
-        })
+        .filter(|s| s.contains("25fencecsi_embedded_cluster"))
         .collect()
 }
 
@@ -299,7 +297,8 @@ fn the_production_binaries_carry_no_simulator() {
     // Positive control: this test binary links the embedded cluster (the reference
     // below keeps it), and the check finds it.
     std::hint::black_box(
-        fencecsi_cluster::EmbeddedCluster::new as fn() -> fencecsi_cluster::EmbeddedCluster,
+        fencecsi_embedded_cluster::EmbeddedCluster::new
+            as fn() -> fencecsi_embedded_cluster::EmbeddedCluster,
     );
     let me = std::fs::read(std::env::current_exe().unwrap()).expect("reading the test binary");
     assert!(

@@ -44,10 +44,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::Lease;
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_driver::config::{Config, Mode};
 use fencecsi_driver::controller::FP_COPYING;
 use fencecsi_driver::failpoint;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_fence::kernel::test_freezer::{shared_pending, Freezer, SIGKILL_PENDING};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_proto::v1::group_controller_client::GroupControllerClient;

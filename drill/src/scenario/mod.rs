@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail};
-use fencecsi_cluster::EmbeddedCluster;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_tests::Env;
 
 use crate::kubelet::Board;

@@ -11,9 +11,9 @@ use anyhow::bail;
 use fencecsi_cluster::k8s_openapi::api::core::v1::{Node, Pod};
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
-use fencecsi_cluster::sim::ready_condition;
 use fencecsi_cluster::well_known::*;
 use fencecsi_cluster::{Cluster, ListParams, WatchEvent, WatchParams};
+use fencecsi_embedded_cluster::sim::ready_condition;
 use futures::StreamExt;
 
 use crate::kubelet::Board;

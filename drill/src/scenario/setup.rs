@@ -16,11 +16,11 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use fencecsi_cluster::sim::attach_detach::{AttachDetach, AttachDetachConfig};
-use fencecsi_cluster::sim::{self, HeartbeatHandle, SimHandle};
 use fencecsi_cluster::well_known::*;
 use fencecsi_cluster::{Cluster, ListParams};
 use fencecsi_driver::config::Mode;
+use fencecsi_embedded_cluster::sim::attach_detach::{AttachDetach, AttachDetachConfig};
+use fencecsi_embedded_cluster::sim::{self, HeartbeatHandle, SimHandle};
 use fencecsi_podgc::{PodGc, PodGcConfig, PodGcHandle};
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::{Env, InProcess};

@@ -229,8 +229,8 @@ mod tests {
     //! for the recovery loop: a clean pass calls `report_clean` with its start time.
 
     use super::*;
-    use fencecsi_cluster::sim::ready_node;
-    use fencecsi_cluster::EmbeddedCluster;
+    use fencecsi_embedded_cluster::sim::ready_node;
+    use fencecsi_embedded_cluster::EmbeddedCluster;
 
     const NODE: &str = "n1";
     /// Time between recovery passes here.

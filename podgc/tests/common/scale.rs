@@ -29,12 +29,12 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
-use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::{
     volume_attachment_name, QUARANTINED_AT_ANNOTATION, QUARANTINE_TAINT_KEY, SAFE_DETACH_ANNOTATION,
 };
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
+use fencecsi_embedded_cluster::sim::ready_node;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 
 use fencecsi_podgc::{disrupt_and_delete, PodGc, PodGcConfig};
 

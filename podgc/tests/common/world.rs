@@ -10,10 +10,10 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
 use fencecsi_cluster::k8s_openapi::api::events::v1::Event;
 use fencecsi_cluster::k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, VolumeAttachment};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::*;
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, DeleteOptions, ListParams};
+use fencecsi_embedded_cluster::sim::ready_node;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_podgc::PodGcConfig;
 
 use super::*;

@@ -13,11 +13,13 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
 };
 use fencecsi_cluster::k8s_openapi::api::storage::v1::VolumeAttachment;
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use fencecsi_cluster::sim::attach_detach::{csi_unique_name, AttachDetach, AttachDetachConfig};
-use fencecsi_cluster::sim::ready_node;
 use fencecsi_cluster::well_known::volume_attachment_name;
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Cluster, DeleteOptions};
+use fencecsi_embedded_cluster::sim::attach_detach::{
+    csi_unique_name, AttachDetach, AttachDetachConfig,
+};
+use fencecsi_embedded_cluster::sim::ready_node;
+use fencecsi_embedded_cluster::EmbeddedCluster;
 
 const DRIVER: &str = "loop.example.com";
 const NS: &str = "apps";

@@ -13,7 +13,7 @@
 //! writes, selectors and admission, which it would also have to serve.
 //!
 //! ```text
-//! cargo bench -p fencecsi-cluster --features embedded --bench backend_cost
+//! cargo bench -p fencecsi-embedded-cluster --bench backend_cost
 //! BACKEND_BENCH_PODS=150000 BACKEND_BENCH_ROUNDS=5 BACKEND_BENCH_GETS=20000 cargo bench ...
 //! ```
 
@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use fencecsi_cluster::k8s_openapi::api::core::v1::Pod;
 use fencecsi_cluster::kube::client::Body;
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{Api, Cluster, ListParams};
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use http::{Request, Response};
 use serde::Serialize;
 use serde_json::json;

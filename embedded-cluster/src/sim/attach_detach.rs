@@ -27,10 +27,10 @@ use k8s_openapi::api::storage::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::{ready_condition, SimHandle};
-use crate::error::Result;
-use crate::params::{DeleteOptions, ListParams};
-use crate::well_known::{volume_attachment_name, OUT_OF_SERVICE_TAINT_KEY};
-use crate::Cluster;
+use fencecsi_cluster::well_known::{volume_attachment_name, OUT_OF_SERVICE_TAINT_KEY};
+use fencecsi_cluster::Cluster;
+use fencecsi_cluster::Result;
+use fencecsi_cluster::{DeleteOptions, ListParams};
 
 /// Timing and scope of an [`AttachDetach`].
 #[derive(Debug, Clone)]

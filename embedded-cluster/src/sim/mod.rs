@@ -41,10 +41,10 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::error::Result;
-use crate::params::{DeleteOptions, ListParams};
-use crate::well_known::NODE_LEASE_NAMESPACE;
-use crate::Cluster;
+use fencecsi_cluster::well_known::NODE_LEASE_NAMESPACE;
+use fencecsi_cluster::Cluster;
+use fencecsi_cluster::Result;
+use fencecsi_cluster::{DeleteOptions, ListParams};
 
 /// Taint keys the node lifecycle controller manages.
 pub const UNREACHABLE_TAINT_KEY: &str = "node.kubernetes.io/unreachable";
@@ -676,9 +676,9 @@ impl TaintEviction {
         let mut p = pod.clone();
         let st = p.status.get_or_insert_with(Default::default);
         let conds = st.conditions.get_or_insert_with(Vec::new);
-        conds.retain(|c| c.type_ != crate::well_known::DISRUPTION_TARGET_CONDITION);
+        conds.retain(|c| c.type_ != fencecsi_cluster::well_known::DISRUPTION_TARGET_CONDITION);
         conds.push(PodCondition {
-            type_: crate::well_known::DISRUPTION_TARGET_CONDITION.into(),
+            type_: fencecsi_cluster::well_known::DISRUPTION_TARGET_CONDITION.into(),
             status: "True".into(),
             reason: Some(DELETION_BY_TAINT_MANAGER_REASON.into()),
             message: Some(format!(
@@ -721,7 +721,7 @@ impl TaintEviction {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::well_known::OUT_OF_SERVICE_TAINT_KEY;
+    use fencecsi_cluster::well_known::OUT_OF_SERVICE_TAINT_KEY;
     use k8s_openapi::api::core::v1::PodSpec;
 
     fn pod_with(tols: Option<Vec<Toleration>>) -> Pod {

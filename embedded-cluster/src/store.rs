@@ -38,10 +38,23 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use tokio::sync::broadcast;
 
-use crate::error::{Error, Result};
-use crate::object::{describe, supports_field, HasStatus, Object};
-use crate::params::{DeleteOptions, DeleteOutcome, MetadataPatch, WatchEvent};
-use crate::selector::{FieldSelector, LabelSelector};
+use fencecsi_cluster::{
+    DeleteOptions, DeleteOutcome, Error, FieldSelector, HasStatus, LabelSelector, MetadataPatch,
+    Object, Result, WatchEvent,
+};
+
+/// True if `field` is a field label the API server accepts for `K`.
+fn supports_field<K: Object>(field: &str) -> bool {
+    field == "metadata.name" || field == "metadata.namespace" || K::FIELDS.contains(&field)
+}
+
+/// `kind/namespace/name` for messages.
+fn describe<K: Object>(namespace: Option<&str>, name: &str) -> String {
+    match namespace {
+        Some(ns) => format!("{} {ns}/{name}", K::KIND),
+        None => format!("{} {name}", K::KIND),
+    }
+}
 
 /// Tuning of the embedded cluster.
 #[derive(Debug, Clone)]

@@ -9,10 +9,10 @@ use fencecsi_cluster::k8s_openapi::api::core::v1::{
     Node, NodeSpec, Pod, PodSpec, PodStatus, Taint,
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{
-    DeleteOptions, EmbeddedConfig, ListParams, MetadataPatch, WatchEvent, WatchParams, WatchStream,
+    DeleteOptions, ListParams, MetadataPatch, WatchEvent, WatchParams, WatchStream,
 };
+use fencecsi_embedded_cluster::{EmbeddedCluster, EmbeddedConfig};
 use futures::StreamExt;
 
 fn meta(name: &str, ns: Option<&str>) -> ObjectMeta {
@@ -494,7 +494,7 @@ async fn concurrent_writers_lose_no_update() {
 
 /// Loads the benchmark's scale (5,000 nodes, 150,000 pods) and times the calls a pod GC
 /// makes. Ignored by default (about a minute in a debug build); run with
-/// `cargo test -p fencecsi-cluster --features embedded --test embedded -- --ignored --nocapture`.
+/// `cargo test -p fencecsi-embedded-cluster --test store -- --ignored --nocapture`.
 #[tokio::test]
 #[ignore]
 async fn scale_5000_nodes_150000_pods() {

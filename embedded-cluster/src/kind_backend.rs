@@ -7,13 +7,12 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 
-use crate::backend::{Filter, KindBackend, WatchStream};
-use crate::embedded::{KindStore, Matcher};
-use crate::error::Result;
-use crate::object::{HasStatus, Object};
-use crate::params::{
-    DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, WatchEvent, WatchParams,
+use fencecsi_cluster::{
+    DeleteOptions, DeleteOutcome, Filter, HasStatus, KindBackend, ListParams, MetadataPatch,
+    Object, ObjectList, Result, WatchEvent, WatchParams, WatchStream,
 };
+
+use crate::store::{KindStore, Matcher};
 
 impl<K: Object> KindBackend<K> for KindStore<K> {
     fn name(&self) -> &'static str {

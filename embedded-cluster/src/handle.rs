@@ -10,10 +10,9 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, 
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode, VolumeAttachment};
 
-use crate::backend::{ClusterBackend, KindBackend, ServedKind};
-use crate::embedded::{Embedded, EmbeddedConfig};
-use crate::object::Object;
-use crate::Cluster;
+use fencecsi_cluster::{Cluster, ClusterBackend, KindBackend, Object, ServedKind};
+
+use crate::store::{Embedded, EmbeddedConfig};
 
 impl ClusterBackend for Embedded {
     fn name(&self) -> &'static str {

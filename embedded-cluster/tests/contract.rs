@@ -20,12 +20,12 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 };
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
-use fencecsi_cluster::EmbeddedCluster;
 use fencecsi_cluster::{
     object_ref, Cluster, DeleteOptions, DeleteOutcome, EventRecorder, EventType,
     LeaderElectionConfig, LeaderElector, ListParams, MetadataPatch, WatchEvent, WatchParams,
     WatchStream,
 };
+use fencecsi_embedded_cluster::EmbeddedCluster;
 use futures::StreamExt;
 
 const RUN_LABEL: &str = "fencecsi.test/contract-run";
@@ -1211,7 +1211,6 @@ async fn run_contract(cluster: Cluster, ns: &str) -> Result<()> {
     }
 }
 
-#[cfg(feature = "embedded")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contract_embedded() {
     run_contract(EmbeddedCluster::new().cluster(), "default")
@@ -1221,7 +1220,7 @@ async fn contract_embedded() {
 
 /// Shows as "ignored" in every plain `cargo test` (a skipped run must not
 /// look like a pass). Run it with
-/// `FENCECSI_TEST_KUBECONFIG=<kubeconfig> cargo test -p fencecsi-cluster --test contract -- --ignored`.
+/// `FENCECSI_TEST_KUBECONFIG=<kubeconfig> cargo test -p fencecsi-embedded-cluster --test contract -- --ignored`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real API server: set FENCECSI_TEST_KUBECONFIG and pass --ignored"]
 async fn contract_real_cluster() {

@@ -8,10 +8,10 @@
 use k8s_openapi::api::core::v1::{Node, Pod, PodCondition};
 
 use super::{ready_condition, time_now};
-use crate::error::Result;
-use crate::params::{DeleteOptions, ListParams};
-use crate::well_known::{DISRUPTION_TARGET_CONDITION, OUT_OF_SERVICE_TAINT_KEY};
-use crate::Cluster;
+use fencecsi_cluster::well_known::{DISRUPTION_TARGET_CONDITION, OUT_OF_SERVICE_TAINT_KEY};
+use fencecsi_cluster::Cluster;
+use fencecsi_cluster::Result;
+use fencecsi_cluster::{DeleteOptions, ListParams};
 
 /// Reason upstream PodGC gives its DisruptionTarget condition.
 const DELETION_BY_POD_GC: &str = "DeletionByPodGC";
