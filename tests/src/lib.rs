@@ -343,6 +343,35 @@ impl InProcess {
     }
 }
 
+/// The smallest test world: a fresh [`Env`] and one plugin in this process serving
+/// every service as node "node-a" (the conformance and bad-input suites).
+/// [`AllInOne::finish`] stops the plugin and asserts that nothing of the env is left
+/// mounted or attached. For a controller with node plugins, see [`rig::Rig`].
+pub struct AllInOne {
+    pub env: Env,
+    pub plugin: InProcess,
+    pub client: CsiClient,
+}
+
+impl AllInOne {
+    pub async fn start() -> Self {
+        init_tracing();
+        let env = Env::new();
+        let (plugin, client) = InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await;
+        AllInOne {
+            env,
+            plugin,
+            client,
+        }
+    }
+
+    /// Stops the plugin, then [`Env::assert_clean`].
+    pub async fn finish(self) {
+        self.plugin.stop().await;
+        self.env.assert_clean();
+    }
+}
+
 impl Drop for InProcess {
     fn drop(&mut self) {
         if let Some(tx) = self.stop.take() {

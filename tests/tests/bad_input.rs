@@ -10,13 +10,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use fencecsi_driver::config::Mode;
 use fencecsi_driver::kernel::mounts;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType, VolumeSource};
 use fencecsi_tests::rig::stage_request;
-use fencecsi_tests::{block_cap, csi, mount_cap, require_root, Access, Env, InProcess};
+use fencecsi_tests::{block_cap, csi, mount_cap, require_root, Access, AllInOne, Env};
 use tonic::Code;
 
 const MIB: i64 = 1 << 20;
@@ -114,11 +113,6 @@ fn assert_same(before: &World, after: &World, what: &str) {
     );
 }
 
-async fn start(env: &Env) -> (InProcess, CsiClient) {
-    fencecsi_tests::init_tracing();
-    InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await
-}
-
 async fn create(c: &mut CsiClient, name: &str, size: i64, cap: &csi::VolumeCapability) -> String {
     c.controller
         .create_volume(fencecsi_tests::rig::create_request(name, size, cap))
@@ -206,8 +200,8 @@ fn bad_ids() -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     // A real, staged volume: every call below would do something with good IDs.
     let id = create(&mut c, "pvc-real", 16 * MIB, &cap).await;
@@ -223,7 +217,7 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
         PathBuf::from("/etc/passwd.fencecsi"),
         env.path().join("etc"),
     ];
-    let before = world(&env, &escapes);
+    let before = world(env, &escapes);
     let range = Some(csi::CapacityRange {
         required_bytes: 32 * MIB,
         limit_bytes: 0,
@@ -414,7 +408,7 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
             .into_inner();
         assert!(listed.entries.is_empty());
     }
-    assert_same(&before, &world(&env, &escapes), "bad IDs");
+    assert_same(&before, &world(env, &escapes), "bad IDs");
     assert!(
         mounts::is_mountpoint(&staging).unwrap(),
         "the real volume stayed staged"
@@ -447,8 +441,7 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
         .await
         .unwrap();
     teardown(&mut c, &id, &staging, &[]).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
     assert!(!Path::new("/etc/passwd.fencecsi").exists());
 }
 
@@ -457,8 +450,8 @@ async fn traversal_and_junk_ids_are_invalid_argument_everywhere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let kubelet = env.kubelet_dir("node-a");
     let outside = env.path().join("outside");
     std::fs::create_dir_all(&outside).unwrap();
@@ -523,7 +516,7 @@ async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
         PathBuf::from("/etc/fencecsi-escape"),
         outside.join("mount"),
     ];
-    let before = world(&env, &escapes);
+    let before = world(env, &escapes);
     assert_eq!(before.mounts.len(), 2);
     assert_eq!(before.loops.len(), 1);
     let ia = Code::InvalidArgument;
@@ -591,15 +584,14 @@ async fn paths_outside_the_kubelet_dir_are_refused_and_nothing_changes() {
             what
         );
     }
-    assert_same(&before, &world(&env, &escapes), "bad paths");
+    assert_same(&before, &world(env, &escapes), "bad paths");
     assert_eq!(
         std::fs::read(outside.join("precious")).unwrap(),
         b"do not touch"
     );
 
     teardown(&mut c, &id, &staging, &[&good_target]).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
     assert!(!system.exists());
 }
 
@@ -678,8 +670,8 @@ fn unsupported_caps() -> Vec<(&'static str, csi::VolumeCapability)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let good = mount_cap(Access::SingleNodeWriter, "ext4");
     let req = |cap: &csi::VolumeCapability, required: i64, limit: i64, params: &[(&str, &str)]| {
         csi::CreateVolumeRequest {
@@ -696,7 +688,7 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
             ..Default::default()
         }
     };
-    let before = world(&env, &[]);
+    let before = world(env, &[]);
 
     for (what, cap) in unsupported_caps() {
         assert_code!(
@@ -782,7 +774,7 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
         Code::InvalidArgument,
         "capability and parameter disagree"
     );
-    assert_same(&before, &world(&env, &[]), "refused CreateVolume");
+    assert_same(&before, &world(env, &[]), "refused CreateVolume");
     assert_eq!(
         std::fs::read_dir(env.state_dir().join("volumes"))
             .unwrap()
@@ -797,7 +789,7 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
     let staging = env.staging_path("node-a", &id);
     let target = env.target_path("node-a", "pod", "pv");
     std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-    let before = world(&env, &[]);
+    let before = world(env, &[]);
     for (what, cap) in unsupported_caps() {
         assert_code!(
             c.node
@@ -864,7 +856,7 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
         std::fs::metadata(&img).unwrap().len() as i64,
         16 * MIB + fencecsi_driver::fence::TRAILER_BYTES as i64
     );
-    assert_same(&before, &world(&env, &[]), "refused capabilities and sizes");
+    assert_same(&before, &world(env, &[]), "refused capabilities and sizes");
     assert!(env.loops().is_empty() && env.mounts().is_empty());
 
     c.controller
@@ -881,8 +873,7 @@ async fn unsupported_capabilities_sizes_and_parameters_create_nothing() {
         })
         .await
         .unwrap();
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- concurrency
@@ -914,8 +905,8 @@ macro_rules! all_at_once {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_calls_on_one_volume_never_double_anything() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
 
     // 8 CreateVolume with one name: one volume.
@@ -1090,8 +1081,7 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
         teardown(&mut c, v, &staging, &[]).await;
     }
     teardown(&mut c, &id, &staging, &[]).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 /// A volume already staged is refused at a second staging path (FAILED_PRECONDITION,
@@ -1100,8 +1090,8 @@ async fn concurrent_calls_on_one_volume_never_double_anything() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_staging_path_and_impossible_mount_options_change_nothing() {
     require_root!();
-    let env = Env::new();
-    let (_p, mut c) = start(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     for (cap, what) in [
         (mount_cap(Access::SingleNodeWriter, "ext4"), "ext4"),
         (block_cap(Access::SingleNodeWriter), "block"),
@@ -1120,7 +1110,7 @@ async fn second_staging_path_and_impossible_mount_options_change_nothing() {
         c.node.node_stage_volume(stage(&first)).await.unwrap();
         c.node.node_stage_volume(stage(&first)).await.unwrap();
         let second = first.parent().unwrap().join("second-globalmount");
-        let before = world(&env, &[]);
+        let before = world(env, &[]);
         let err = c.node.node_stage_volume(stage(&second)).await.unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition, "{what}: {err:?}");
         assert!(
@@ -1130,7 +1120,7 @@ async fn second_staging_path_and_impossible_mount_options_change_nothing() {
         );
         assert_same(
             &before,
-            &world(&env, &[]),
+            &world(env, &[]),
             &format!("{what}: second staging path"),
         );
         teardown(&mut c, &id, &first, &[]).await;
@@ -1161,7 +1151,7 @@ async fn second_staging_path_and_impossible_mount_options_change_nothing() {
             Some(Access::SingleNodeWriter),
             mount_type("ext4", flags.clone(), ""),
         );
-        let before = world(&env, &[]);
+        let before = world(env, &[]);
         let err = c
             .node
             .node_stage_volume(csi::NodeStageVolumeRequest {
@@ -1176,7 +1166,7 @@ async fn second_staging_path_and_impossible_mount_options_change_nothing() {
         assert_eq!(err.code(), Code::InvalidArgument, "{flags:?}: {err:?}");
         assert_same(
             &before,
-            &world(&env, &[]),
+            &world(env, &[]),
             &format!("mount options {flags:?}"),
         );
     }

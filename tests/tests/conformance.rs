@@ -23,7 +23,7 @@ use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType
 use fencecsi_tests::csi::volume_usage::Unit;
 use fencecsi_tests::rig::stage_request;
 use fencecsi_tests::{
-    block_cap, csi, mount_cap, require_root, sha256_file, Access, Env, InProcess,
+    block_cap, csi, mount_cap, require_root, sha256_file, Access, AllInOne, Env, InProcess,
 };
 use tonic::Code;
 
@@ -276,18 +276,13 @@ fn errno_of(e: &std::io::Error) -> Option<i32> {
     e.raw_os_error()
 }
 
-async fn start_all(env: &Env) -> (InProcess, CsiClient) {
-    fencecsi_tests::init_tracing();
-    InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await
-}
-
 // ---------------------------------------------------------------- identity
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_info_capabilities_probe() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
 
     let info = c
         .identity
@@ -365,8 +360,7 @@ async fn identity_info_capabilities_probe() {
 
     ctl_plugin.stop().await;
     node_plugin.stop().await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 /// The RPC types a controller advertises (every capability must be an RPC one).
@@ -392,8 +386,8 @@ fn node_types(caps: &[csi::NodeServiceCapability]) -> BTreeSet<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_and_node_capabilities_and_node_info() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
 
     assert_eq!(CtlRpc::UnpublishFence as i32, 1000);
     assert_eq!(NodeRpc::ForceUnpublish as i32, 1000);
@@ -526,10 +520,9 @@ async fn controller_and_node_capabilities_and_node_info() {
         }),
         Code::ResourceExhausted
     );
-    assert_eq!(volume_dirs(&env), 1);
+    assert_eq!(volume_dirs(env), 1);
     unpublish_and_delete(&mut c, &vol.volume_id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- CreateVolume / DeleteVolume
@@ -537,8 +530,8 @@ async fn controller_and_node_capabilities_and_node_info() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_volume_capacity_ranges() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let ext4 = mount_cap(Access::SingleNodeWriter, "ext4");
     let any = mount_cap(Access::SingleNodeWriter, "");
     let block = block_cap(Access::SingleNodeWriter);
@@ -624,7 +617,7 @@ async fn create_volume_capacity_ranges() {
             assert_eq!(got, *w, "{name}");
         }
         // The image is exactly that big, and sparse.
-        let img = std::fs::metadata(image_path(&env, &vol.volume_id, 1)).unwrap();
+        let img = std::fs::metadata(image_path(env, &vol.volume_id, 1)).unwrap();
         assert_eq!(
             img.len() as i64,
             got + TRAILER,
@@ -636,7 +629,7 @@ async fn create_volume_capacity_ranges() {
         );
         ids.push(vol.volume_id);
     }
-    assert_eq!(volume_dirs(&env), cases.len());
+    assert_eq!(volume_dirs(env), cases.len());
 
     // Ranges that cannot be met: OUT_OF_RANGE; malformed ones: INVALID_ARGUMENT. Nothing is created.
     for (req, lim, code) in [
@@ -654,12 +647,12 @@ async fn create_volume_capacity_ranges() {
             code
         );
     }
-    assert_eq!(volume_dirs(&env), cases.len());
+    assert_eq!(volume_dirs(env), cases.len());
 
     for id in &ids {
         unpublish_and_delete(&mut c, id).await;
     }
-    assert_eq!(volume_dirs(&env), 0);
+    assert_eq!(volume_dirs(env), 0);
     let left = c
         .controller
         .list_volumes(csi::ListVolumesRequest::default())
@@ -667,15 +660,14 @@ async fn create_volume_capacity_ranges() {
         .unwrap()
         .into_inner();
     assert!(left.entries.is_empty());
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
 
     let v1 = create(&mut c, "pvc-idem", 32 * MIB, &cap, &[]).await;
@@ -748,14 +740,14 @@ async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
     );
     // The maximum-length name csi-sanity uses (128) is fine.
     let long = create(&mut c, &"n".repeat(128), 16 * MIB, &cap, &[]).await;
-    assert_eq!(volume_dirs(&env), 2);
+    assert_eq!(volume_dirs(env), 2);
     unpublish_and_delete(&mut c, &long.volume_id).await;
     unpublish_and_delete(&mut c, &v1.volume_id).await;
     // After deletion the name is free again, for a new volume.
     let v4 = create(&mut c, "pvc-idem", 64 * MIB, &cap, &[]).await;
     assert_ne!(v4.volume_id, v1.volume_id);
     unpublish_and_delete(&mut c, &v4.volume_id).await;
-    assert_eq!(volume_dirs(&env), 0);
+    assert_eq!(volume_dirs(env), 0);
 
     // xfs needs 300 MiB: a smaller request is rounded up. The same name with a range
     // the existing volume does not fit is ALREADY_EXISTS (the name answers first); a new
@@ -776,16 +768,15 @@ async fn create_volume_is_idempotent_by_name_and_refuses_conflicts() {
         Code::OutOfRange
     );
     unpublish_and_delete(&mut c, &small.volume_id).await;
-    assert_eq!(volume_dirs(&env), 0);
-    plugin.stop().await;
-    env.assert_clean();
+    assert_eq!(volume_dirs(env), 0);
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_volume_is_idempotent_and_refused_while_published() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let vol = create(&mut c, "pvc-del", 16 * MIB, &cap, &[]).await;
     let id = vol.volume_id.clone();
@@ -795,7 +786,7 @@ async fn delete_volume_is_idempotent_and_refused_while_published() {
         ..Default::default()
     };
     assert_code!(c.controller.delete_volume(del()), Code::FailedPrecondition);
-    assert!(image_path(&env, &id, 1).exists(), "nothing deleted");
+    assert!(image_path(env, &id, 1).exists(), "nothing deleted");
     c.controller
         .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
             volume_id: id.clone(),
@@ -828,8 +819,7 @@ async fn delete_volume_is_idempotent_and_refused_while_published() {
             }),
         Code::NotFound
     );
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- snapshots and clones
@@ -837,14 +827,14 @@ async fn delete_volume_is_idempotent_and_refused_while_published() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_and_clones_carry_the_data() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let src = create(&mut c, "pvc-src", 64 * MIB, &cap, &[]).await;
     let sid = src.volume_id.clone();
     let ctx = cpublish(&mut c, &sid, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &sid);
-    let target = pod_target(&env, "node-a", "pod-src", "pv-src");
+    let target = pod_target(env, "node-a", "pod-src", "pv-src");
 
     // Write v1 of the data, unmount everything so the image is consistent.
     c.node
@@ -986,18 +976,18 @@ async fn snapshots_and_clones_carry_the_data() {
             from(source),
             "{name}: content_source echoed"
         );
-        let img = image_path(&env, &vol.volume_id, 1);
+        let img = image_path(env, &vol.volume_id, 1);
         assert_eq!(
             std::fs::metadata(&img).unwrap().len() as i64,
             size + TRAILER
         );
         assert_ne!(
             std::fs::metadata(&img).unwrap().ino(),
-            std::fs::metadata(image_path(&env, &sid, 1)).unwrap().ino()
+            std::fs::metadata(image_path(env, &sid, 1)).unwrap().ino()
         );
         let id = vol.volume_id.clone();
-        let Staged { ctx, staging } = attach_and_stage(&env, &mut c, &id, &cap).await;
-        let target = pod_target(&env, "node-a", name, name);
+        let Staged { ctx, staging } = attach_and_stage(env, &mut c, &id, &cap).await;
+        let target = pod_target(env, "node-a", name, name);
         c.node
             .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
             .await
@@ -1026,7 +1016,7 @@ async fn snapshots_and_clones_carry_the_data() {
         .join("snapshots")
         .join(&snap.snapshot_id)
         .exists());
-    assert!(image_path(&env, &clones[0].0, 1).exists());
+    assert!(image_path(env, &clones[0].0, 1).exists());
     assert_code!(
         c.controller
             .delete_snapshot(csi::DeleteSnapshotRequest::default()),
@@ -1037,16 +1027,15 @@ async fn snapshots_and_clones_carry_the_data() {
     }
     unpublish_and_delete(&mut c, &other.volume_id).await;
     unpublish_and_delete(&mut c, &sid).await;
-    assert_eq!(volume_dirs(&env), 0);
-    plugin.stop().await;
-    env.assert_clean();
+    assert_eq!(volume_dirs(env), 0);
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_snapshots_pages_and_filters() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let mut c = w.client.clone();
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let a = create(&mut c, "pvc-a", 16 * MIB, &cap, &[]).await.volume_id;
     let b = create(&mut c, "pvc-b", 16 * MIB, &cap, &[]).await.volume_id;
@@ -1178,8 +1167,7 @@ async fn list_snapshots_pages_and_filters() {
     assert!(list(Default::default()).await.unwrap().entries.is_empty());
     unpublish_and_delete(&mut c, &a).await;
     unpublish_and_delete(&mut c, &b).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- ControllerPublish / Unpublish
@@ -1187,8 +1175,8 @@ async fn list_snapshots_pages_and_filters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_publish_unpublish() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let (node_b, _b) = InProcess::start(env.config(Mode::Node, Some("node-b"), "node-b")).await;
     let snw = mount_cap(Access::SingleNodeWriter, "ext4");
     let vol = create(&mut c, "pvc-pub", 16 * MIB, &snw, &[]).await;
@@ -1367,8 +1355,7 @@ async fn controller_publish_unpublish() {
 
     unpublish_and_delete(&mut c, &id).await;
     node_b.stop().await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1431,8 +1418,8 @@ async fn controller_publish_respects_max_volumes_per_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validate_volume_capabilities() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let mut c = w.client.clone();
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let id = create(&mut c, "pvc-val", 16 * MIB, &cap, &[])
         .await
@@ -1520,15 +1507,14 @@ async fn validate_volume_capabilities() {
         );
     }
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_volumes_pages_and_reports_nodes() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let mut c = w.client.clone();
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let mut ids = BTreeSet::new();
     for i in 0..5 {
@@ -1610,15 +1596,14 @@ async fn list_volumes_pages_and_reports_nodes() {
     for id in &ids {
         unpublish_and_delete(&mut c, id).await;
     }
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_capacity() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let get = |caps: Vec<csi::VolumeCapability>, p: &[(&str, &str)]| csi::GetCapacityRequest {
         volume_capabilities: caps,
         parameters: params(p),
@@ -1673,15 +1658,14 @@ async fn get_capacity() {
         c.controller.get_capacity(get(vec![], &[("tier", "gold")])),
         Code::InvalidArgument
     );
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_get_volume_reports_status_and_condition() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let vol = create(&mut c, "pvc-get", 16 * MIB, &cap, &[]).await;
     let id = vol.volume_id.clone();
@@ -1702,8 +1686,8 @@ async fn controller_get_volume_reports_status_and_condition() {
     let cond = st.volume_condition.unwrap();
     assert!(!cond.abnormal);
 
-    let Staged { staging, .. } = attach_and_stage(&env, &mut c, &id, &cap).await;
-    let (dev, _) = only_loop(&env);
+    let Staged { staging, .. } = attach_and_stage(env, &mut c, &id, &cap).await;
+    let (dev, _) = only_loop(env);
     let st = get(&c, &id).await.unwrap().status.unwrap();
     assert_eq!(st.published_node_ids, vec!["node-a".to_string()]);
     let cond = st.volume_condition.unwrap();
@@ -1716,7 +1700,7 @@ async fn controller_get_volume_reports_status_and_condition() {
 
     // The data going missing is abnormal.
     node_unstage(&mut c, &id, &staging).await;
-    let img = image_path(&env, &id, 1);
+    let img = image_path(env, &id, 1);
     let aside = img.with_extension("aside");
     std::fs::rename(&img, &aside).unwrap();
     let cond = get(&c, &id)
@@ -1742,8 +1726,7 @@ async fn controller_get_volume_reports_status_and_condition() {
         Code::NotFound
     );
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- expansion
@@ -1791,8 +1774,8 @@ async fn published_with_payload(
 }
 
 async fn expand_online(fs: &str, from: i64, to: i64) {
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let Grown {
         id,
         cap,
@@ -1800,7 +1783,7 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
         staging,
         target,
         sum,
-    } = published_with_payload(&env, &mut c, fs, "grow", from, 9).await;
+    } = published_with_payload(env, &mut c, fs, "grow", from, 9).await;
     let before = statvfs_total(&target);
 
     let cexp = |id: &str, r: Option<csi::CapacityRange>| csi::ControllerExpandVolumeRequest {
@@ -1818,7 +1801,7 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
     assert_eq!(r.capacity_bytes, to);
     assert!(r.node_expansion_required);
     assert_eq!(
-        std::fs::metadata(image_path(&env, &id, 1)).unwrap().len() as i64,
+        std::fs::metadata(image_path(env, &id, 1)).unwrap().len() as i64,
         to + TRAILER
     );
     // Idempotent, and never shrinks.
@@ -1936,8 +1919,7 @@ async fn expand_online(fs: &str, from: i64, to: i64) {
     node_unpublish(&mut c, &id, &target).await;
     node_unstage(&mut c, &id, &staging).await;
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1956,8 +1938,8 @@ async fn expand_xfs_online() {
 /// A volume grown while unstaged (as one restored from a snapshot into a larger claim)
 /// has its filesystem grown at the next stage, on both filesystems.
 async fn expand_unstaged(fs: &str, from: i64, to: i64) {
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let Grown {
         id,
         cap,
@@ -1965,7 +1947,7 @@ async fn expand_unstaged(fs: &str, from: i64, to: i64) {
         staging,
         target,
         sum,
-    } = published_with_payload(&env, &mut c, fs, "grow-off", from, 7).await;
+    } = published_with_payload(env, &mut c, fs, "grow-off", from, 7).await;
     let before = statvfs_total(&target);
     node_unpublish(&mut c, &id, &target).await;
     node_unstage(&mut c, &id, &staging).await;
@@ -1999,8 +1981,7 @@ async fn expand_unstaged(fs: &str, from: i64, to: i64) {
     node_unpublish(&mut c, &id, &target).await;
     node_unstage(&mut c, &id, &staging).await;
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2018,8 +1999,8 @@ async fn expand_ext4_unstaged_grows_at_stage() {
 // ---------------------------------------------------------------- node: filesystem volumes
 
 async fn stage_publish_filesystem(fs: &str, size: i64) {
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     // The StorageClass parameter chooses the filesystem; the capability leaves it open.
     let cap = mount_cap(Access::SingleNodeWriter, "");
     let vol = create(
@@ -2040,7 +2021,7 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
     let staging = env.staging_path("node-a", &id);
 
     // Publishing before staging: FAILED_PRECONDITION, nothing mounted.
-    let t1 = pod_target(&env, "node-a", "pod-1", "pv");
+    let t1 = pod_target(env, "node-a", "pod-1", "pv");
     assert_code!(
         c.node
             .node_publish_volume(publish_req(&staging, &t1, &id, &cap, &ctx, false)),
@@ -2053,8 +2034,8 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
             .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
             .await
             .unwrap();
-        let (dev, backing) = only_loop(&env);
-        assert_eq!(backing, image_path(&env, &id, 1));
+        let (dev, backing) = only_loop(env);
+        assert_eq!(backing, image_path(env, &id, 1));
         let m = mounts::mounts_at(&staging).unwrap();
         assert_eq!(m.len(), 1, "one staging mount");
         assert_eq!(m[0].fs_type, fs);
@@ -2062,7 +2043,7 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
         assert_eq!((m[0].major, m[0].minor), rdev(&dev));
     }
 
-    let t2 = pod_target(&env, "node-a", "pod-2", "pv");
+    let t2 = pod_target(env, "node-a", "pod-2", "pv");
     for t in [&t1, &t2] {
         for _ in 0..2 {
             c.node
@@ -2072,7 +2053,7 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
         }
         let m = mounts::mounts_at(t).unwrap();
         assert_eq!(m.len(), 1, "one mount at {}", t.display());
-        assert_eq!((m[0].major, m[0].minor), rdev(&only_loop(&env).0));
+        assert_eq!((m[0].major, m[0].minor), rdev(&only_loop(env).0));
     }
     assert_eq!(env.mounts().len(), 3);
     // One filesystem behind both targets.
@@ -2152,8 +2133,7 @@ async fn stage_publish_filesystem(fs: &str, size: i64) {
     env.assert_clean();
     assert!(!staging.exists(), "staging dir removed");
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2171,15 +2151,15 @@ async fn node_stage_publish_xfs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_publish_refuses_writes() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let id = create(&mut c, "pvc-ro", 32 * MIB, &cap, &[])
         .await
         .volume_id;
-    let Staged { ctx, staging } = attach_and_stage(&env, &mut c, &id, &cap).await;
-    let rw = pod_target(&env, "node-a", "pod-rw", "pv");
-    let ro = pod_target(&env, "node-a", "pod-ro", "pv");
+    let Staged { ctx, staging } = attach_and_stage(env, &mut c, &id, &cap).await;
+    let rw = pod_target(env, "node-a", "pod-rw", "pv");
+    let ro = pod_target(env, "node-a", "pod-ro", "pv");
     c.node
         .node_publish_volume(publish_req(&staging, &rw, &id, &cap, &ctx, false))
         .await
@@ -2228,7 +2208,7 @@ async fn read_only_publish_refuses_writes() {
         .node_stage_volume(stage_request(&id, &staging, &cap, &ctx))
         .await
         .unwrap();
-    let (dev, _) = only_loop(&env);
+    let (dev, _) = only_loop(env);
     assert!(
         fencecsi_driver::kernel::loop_device::status(&dev)
             .unwrap()
@@ -2249,8 +2229,7 @@ async fn read_only_publish_refuses_writes() {
     node_unpublish(&mut c, &id, &ro).await;
     node_unstage(&mut c, &id, &staging).await;
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- node: raw block volumes
@@ -2285,15 +2264,15 @@ fn read_direct(path: &Path, off: u64, len: usize) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_block_volume_round_trip() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = block_cap(Access::SingleNodeWriter);
     let id = create(&mut c, "pvc-block", 32 * MIB, &cap, &[])
         .await
         .volume_id;
     let ctx = cpublish(&mut c, &id, "node-a", &cap, false).await;
     let staging = env.staging_path("node-a", &id);
-    let target = block_target(&env, "node-a", "pv-block", "pod-1");
+    let target = block_target(env, "node-a", "pv-block", "pod-1");
     let data = pattern();
 
     for round in 0..2 {
@@ -2303,8 +2282,8 @@ async fn raw_block_volume_round_trip() {
                 .await
                 .unwrap();
         }
-        let (dev, backing) = only_loop(&env);
-        assert_eq!(backing, image_path(&env, &id, 1));
+        let (dev, backing) = only_loop(env);
+        assert_eq!(backing, image_path(env, &id, 1));
         for _ in 0..2 {
             c.node
                 .node_publish_volume(publish_req(&staging, &target, &id, &cap, &ctx, false))
@@ -2358,7 +2337,7 @@ async fn raw_block_volume_round_trip() {
                 }),
                 Code::FailedPrecondition
             );
-            assert_eq!(only_loop(&env).0, dev);
+            assert_eq!(only_loop(env).0, dev);
             assert!(read_direct(&target, PATTERN_OFF, data.len()) == data);
         }
         node_unpublish(&mut c, &id, &target).await;
@@ -2366,28 +2345,27 @@ async fn raw_block_volume_round_trip() {
         node_unstage(&mut c, &id, &staging).await;
         env.assert_clean();
         // The pattern is in the image file itself.
-        let img = std::fs::File::open(image_path(&env, &id, 1)).unwrap();
+        let img = std::fs::File::open(image_path(env, &id, 1)).unwrap();
         let mut buf = vec![0u8; data.len()];
         img.read_exact_at(&mut buf, PATTERN_OFF).unwrap();
         assert!(buf == data, "round {round}: pattern is in the image");
     }
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_block_read_only_publish_refuses_writes() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = block_cap(Access::SingleNodeWriter);
     let id = create(&mut c, "pvc-block-ro", 16 * MIB, &cap, &[])
         .await
         .volume_id;
-    let Staged { ctx, staging } = attach_and_stage(&env, &mut c, &id, &cap).await;
-    let rw = block_target(&env, "node-a", "pv", "pod-rw");
-    let ro = block_target(&env, "node-a", "pv", "pod-ro");
+    let Staged { ctx, staging } = attach_and_stage(env, &mut c, &id, &cap).await;
+    let rw = block_target(env, "node-a", "pv", "pod-rw");
+    let ro = block_target(env, "node-a", "pv", "pod-ro");
     c.node
         .node_publish_volume(publish_req(&staging, &rw, &id, &cap, &ctx, false))
         .await
@@ -2435,8 +2413,7 @@ async fn raw_block_read_only_publish_refuses_writes() {
     node_unpublish(&mut c, &id, &rw).await;
     node_unstage(&mut c, &id, &staging).await;
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
 
 // ---------------------------------------------------------------- node: error codes
@@ -2447,8 +2424,8 @@ async fn raw_block_read_only_publish_refuses_writes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_error_codes() {
     require_root!();
-    let env = Env::new();
-    let (plugin, mut c) = start_all(&env).await;
+    let w = AllInOne::start().await;
+    let (env, mut c) = (&w.env, w.client.clone());
     let cap = mount_cap(Access::SingleNodeWriter, "ext4");
     let id = create(&mut c, "pvc-errors", 16 * MIB, &cap, &[])
         .await
@@ -2456,7 +2433,7 @@ async fn node_error_codes() {
     let fake = "fake-vol-id-0001".to_string();
     let ours_unknown = format!("vol-{}", "e".repeat(32));
     let staging = env.staging_path("node-a", &id);
-    let target = pod_target(&env, "node-a", "pod-e", "pv-e");
+    let target = pod_target(env, "node-a", "pod-e", "pv-e");
 
     use Code::*;
     // NodeStage
@@ -2560,6 +2537,5 @@ async fn node_error_codes() {
     // Nothing of that left a trace.
     assert!(!staging.exists() && !target.exists());
     unpublish_and_delete(&mut c, &id).await;
-    plugin.stop().await;
-    env.assert_clean();
+    w.finish().await;
 }
