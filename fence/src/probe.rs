@@ -1,12 +1,12 @@
 //! The start-up probe: the gated fence proved on the state dir's own
 //! filesystem before the driver offers it.
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::generation::freeze;
+use crate::kernel::block_range::RangeRequest;
 use crate::kernel::files;
 use crate::kernel::loop_device::{self, AttachOptions};
 use crate::kernel::loop_gate;
@@ -124,15 +124,16 @@ fn probe_device(img: &Path, dev: &Path, data: u64, pattern: &[u8]) -> Result<(),
             .write_all_at(buf, 0)
             .and_then(|_| f.write_all_at(buf, 8192))
             .and_then(|_| f.sync_all());
-        let range = [0u64, data.min(64 << 10)];
-        // SAFETY: ioctls on an fd we own with a valid 16-byte range.
-        let discard = unsafe { libc::ioctl(f.as_raw_fd(), BLKDISCARD, range.as_ptr()) };
-        let zero = unsafe { libc::ioctl(f.as_raw_fd(), BLKZEROOUT, range.as_ptr()) };
+        let len = data.min(64 << 10);
+        let discard = RangeRequest::Discard.send(&f, 0, len);
+        let zero = RangeRequest::WriteZeroes.send(&f, 0, len);
         let after = std::fs::read(img).map_err(|e| e.to_string())?;
         if after[..data as usize] != expected[..] {
             return Err(format!(
-                "data changed after the fence (write {}, discard {discard}, write-zeroes {zero})",
-                if write.is_ok() { "succeeded" } else { "failed" }
+                "data changed after the fence (write {}, discard {}, write-zeroes {})",
+                said(&write),
+                said(&discard),
+                said(&zero)
             ));
         }
         if write.is_ok() {
@@ -145,9 +146,14 @@ fn probe_device(img: &Path, dev: &Path, data: u64, pattern: &[u8]) -> Result<(),
     outcome
 }
 
-// _IO(0x12, 119) and _IO(0x12, 127) from include/uapi/linux/fs.h.
-const BLKDISCARD: libc::c_ulong = 0x1277;
-const BLKZEROOUT: libc::c_ulong = 0x127f;
+/// What a request through the fenced device got, for the probe's message.
+fn said(r: &std::io::Result<()>) -> &'static str {
+    if r.is_ok() {
+        "succeeded"
+    } else {
+        "failed"
+    }
+}
 
 /// Removes what a probe that crashed left: its loop devices (recognised by
 /// tag and by a backing file under `dir`) and its directories.

@@ -20,10 +20,10 @@
 //! write with no discard in between fails its fsync.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use fencecsi_fence::kernel::block_range::RangeRequest;
 use fencecsi_fence::kernel::loop_device::test_support::LoopGuard;
 use fencecsi_fence::kernel::loop_device::AttachOptions;
 use fencecsi_fence::kernel::loop_gate;
@@ -31,21 +31,9 @@ use fencecsi_tests::{region_hash, require_root, Env};
 
 const DATA: u64 = 16 << 20;
 const PAGE: usize = 4096;
-/// BLKDISCARD and BLKZEROOUT, `_IO(0x12, 119)` and `_IO(0x12, 127)`.
-const BLKDISCARD: libc::c_ulong = 0x1277;
-const BLKZEROOUT: libc::c_ulong = 0x127f;
-
-/// `ioctl` with a byte range on `dev`, as node A's other process would.
-fn range_ioctl(dev: &Path, request: libc::c_ulong, at: u64, len: u64) -> std::io::Result<()> {
-    let f = OpenOptions::new().write(true).open(dev)?;
-    let range = [at, len];
-    // SAFETY: ioctl on our own fd with a valid 16-byte range.
-    let rc = unsafe { libc::ioctl(f.as_raw_fd(), request, range.as_ptr()) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+/// Sends `request` for [`at`, `at + len`) of the block device at `dev`.
+fn range_request(dev: &Path, request: RangeRequest, at: u64, len: u64) -> std::io::Result<()> {
+    request.send(&OpenOptions::new().write(true).open(dev)?, at, len)
 }
 
 /// Whether the image's data holds `page` at `at`.
@@ -102,12 +90,13 @@ fn a_page_node_a_drops_itself_is_acknowledged_but_never_written() {
     );
 
     // The same, with node A discarding (then zeroing) the range in between.
-    for (request, name, at, fill) in [
-        (BLKDISCARD, "BLKDISCARD", 2u64 << 20, 0x33u8),
-        (BLKZEROOUT, "BLKZEROOUT", 3 << 20, 0x44),
+    for (request, at, fill) in [
+        (RangeRequest::Discard, 2u64 << 20, 0x33u8),
+        (RangeRequest::WriteZeroes, 3 << 20, 0x44),
     ] {
+        let name = request.name();
         writer.write_all_at(&page(fill), at).unwrap();
-        let own = range_ioctl(dev.path(), request, 0, 8 << 20);
+        let own = range_request(dev.path(), request, 0, 8 << 20);
         // EIO: the request was sent, after the drop, and failed at the fence.
         assert_eq!(
             own.as_ref().map_err(|e| e.raw_os_error()),

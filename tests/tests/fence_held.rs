@@ -34,7 +34,6 @@
 //! gated fence without its drain (the gate shut and moved at once) with
 //! requests held at the gate.
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -44,6 +43,7 @@ use std::time::{Duration, Instant};
 use fencecsi_driver::fence;
 use fencecsi_driver::kernel::loop_device::{self, AttachOptions, LoopInfo};
 use fencecsi_driver::kernel::loop_gate;
+use fencecsi_fence::kernel::block_range::RangeRequest;
 use fencecsi_tests::{monotonic_ns, require_root, Env};
 
 const BLOCK: usize = 4096;
@@ -187,21 +187,15 @@ fn request(file: &std::fs::File, kind: Kind, buf: &mut Aligned, block: u64, c: [
             file.write_all_at(&buf.0, offset).is_ok() && file.sync_data().is_ok()
         }
         Kind::WriteZeroes | Kind::Discard => {
-            let range = [offset, BLOCK as u64];
-            let op = if kind == Kind::Discard {
-                BLKDISCARD
+            let request = if kind == Kind::Discard {
+                RangeRequest::Discard
             } else {
-                BLKZEROOUT
+                RangeRequest::WriteZeroes
             };
-            // SAFETY: BLKZEROOUT/BLKDISCARD on an fd we own with a valid 16-byte range.
-            unsafe { libc::ioctl(file.as_raw_fd(), op, range.as_ptr()) == 0 }
+            request.send(file, offset, BLOCK as u64).is_ok()
         }
     }
 }
-
-// _IO(0x12, 127) and _IO(0x12, 119) from include/uapi/linux/fs.h.
-const BLKZEROOUT: libc::c_ulong = 0x127f;
-const BLKDISCARD: libc::c_ulong = 0x1277;
 
 fn fill(buf: &mut Aligned, c: [u8; 16]) {
     for chunk in buf.0.chunks_mut(16) {

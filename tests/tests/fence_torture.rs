@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use fencecsi_fence::kernel::block_range::RangeRequest;
 use fencecsi_tests::records::{missing, RECORD_SIZE};
 use fencecsi_tests::rig::{Rig, Rng};
 use fencecsi_tests::writer::Writer;
@@ -120,13 +121,10 @@ fn fitrim(mount: &Path) -> Option<u64> {
 fn attack(target: &Path, block: bool) -> Option<(u64, u64)> {
     if block {
         if let Ok(f) = std::fs::OpenOptions::new().write(true).open(target) {
-            let range = [0u64, ATTACK_BYTES];
             let began = monotonic_ns();
-            // SAFETY: ioctls on our fd with a valid 16-byte range.
-            unsafe {
-                libc::ioctl(f.as_raw_fd(), 0x1277, range.as_ptr());
-                libc::ioctl(f.as_raw_fd(), 0x127f, range.as_ptr());
-            }
+            // Both fail at the fence; what they do before that is the point.
+            let _ = RangeRequest::Discard.send(&f, 0, ATTACK_BYTES);
+            let _ = RangeRequest::WriteZeroes.send(&f, 0, ATTACK_BYTES);
             let ended = monotonic_ns();
             use std::os::unix::fs::FileExt;
             let _ = f.write_all_at(&[0xEE; 8192], 0);

@@ -19,6 +19,7 @@ use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
+use fencecsi_fence::kernel::block_range::RangeRequest;
 use fencecsi_tests::records::{record, RECORD_SIZE};
 
 fn main() {
@@ -136,7 +137,6 @@ fn churn_once(
         })
         .unwrap_or(false);
     let fd = file.as_raw_fd();
-    let range = [at, SCRATCH as u64];
     let pieces = SCRATCH / buf.len();
     let step = seq % 4;
     if step % 2 == 1 {
@@ -146,30 +146,32 @@ fn churn_once(
         return None;
     }
     let discard = step == 2;
-    // SAFETY: ioctl/fallocate on our fd, with a valid 16-byte range.
-    let rc = unsafe {
-        match (block, discard) {
-            (true, true) => libc::ioctl(fd, 0x1277 /* BLKDISCARD */, range.as_ptr()),
-            (true, false) => libc::ioctl(fd, 0x127f /* BLKZEROOUT */, range.as_ptr()),
-            (false, true) => libc::fallocate(
-                fd,
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                at as i64,
-                SCRATCH as i64,
-            ),
-            (false, false) => {
-                libc::fallocate(fd, libc::FALLOC_FL_ZERO_RANGE, at as i64, SCRATCH as i64)
-            }
+    let sent = if block {
+        let request = if discard {
+            RangeRequest::Discard
+        } else {
+            RangeRequest::WriteZeroes
+        };
+        request.send(file, at, SCRATCH as u64)
+    } else {
+        let mode = if discard {
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        } else {
+            libc::FALLOC_FL_ZERO_RANGE
+        };
+        // SAFETY: fallocate on our fd.
+        match unsafe { libc::fallocate(fd, mode, at as i64, SCRATCH as i64) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
         }
     };
-    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
     let synced = file.sync_data();
     // The pattern was there, so zeros read back mean the request took
     // effect (both ioctls drop the block device's cache for the range).
     let outcome = if !*primed {
         Err("not-primed".to_string())
-    } else if rc != 0 {
-        Err(format!("errno={errno}"))
+    } else if let Err(e) = sent {
+        Err(format!("errno={}", e.raw_os_error().unwrap_or(0)))
     } else if let Err(e) = synced {
         Err(format!("sync-errno={}", e.raw_os_error().unwrap_or(0)))
     } else {
