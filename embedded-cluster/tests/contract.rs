@@ -21,7 +21,7 @@ use fencecsi_cluster::k8s_openapi::api::storage::v1::{
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::{
-    object_ref, Cluster, DeleteOptions, DeleteOutcome, EventRecorder, EventType,
+    object_ref, Api, Cluster, DeleteOptions, DeleteOutcome, EventRecorder, EventType,
     LeaderElectionConfig, LeaderElector, ListParams, MetadataPatch, WatchEvent, WatchParams,
     WatchStream,
 };
@@ -670,7 +670,7 @@ async fn leader_election(ctx: &Ctx) -> Result<()> {
     };
     let leases = ctx.cluster.api::<Lease>(Some(&ctx.ns));
     // The Lease's history, as the candidates write it.
-    let mut history_w = leases.watch(&WatchParams::default())?;
+    let mut history_w = watch_started(&leases).await?;
     let mut history = Vec::new();
     let a = LeaderElector::new(&ctx.cluster, timing("a"))?.spawn();
     let b = LeaderElector::new(&ctx.cluster, timing("b"))?.spawn();
@@ -845,7 +845,7 @@ async fn followers_lead_where_the_followed_lease_is_held(ctx: &Ctx) -> Result<()
             )
             .following(Some(&followed))
     };
-    let mut history_w = leases.watch(&WatchParams::default())?;
+    let mut history_w = watch_started(&leases).await?;
     let mut history = Vec::new();
     let a = LeaderElector::new(&ctx.cluster, timing("pod-a"))?.spawn();
     let b = LeaderElector::new(&ctx.cluster, timing("pod-b"))?.spawn();
@@ -903,6 +903,19 @@ fn taken_after_release(history: &[LeaseSpec]) -> Result<SignedDuration> {
 
 fn holder(l: &LeaseSpec) -> Option<&str> {
     l.holder_identity.as_deref().filter(|h| !h.is_empty())
+}
+
+/// A watch of `leases` that has delivered its initial list, so every later write reaches
+/// it. A watch starts when it is first polled (on a real API server, kube's watcher lists
+/// then), so one that waits unpolled would begin with a list of the latest state and miss
+/// the history in between. The list itself is dropped: the Leases under test do not exist
+/// yet.
+async fn watch_started(leases: &Api<Lease>) -> Result<WatchStream<Lease>> {
+    let mut w = leases.watch(&WatchParams::default())?;
+    match next_event(&mut w).await? {
+        WatchEvent::Listed(_) => Ok(w),
+        other => Err(anyhow!("a watch began with {other:?}, not its list")),
+    }
 }
 
 /// Reads the records of the Lease `name` from `w`, in the order they were written, until
