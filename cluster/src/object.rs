@@ -23,7 +23,8 @@ use serde::Serialize;
 ///
 /// Implemented here for Node, Pod, PersistentVolume, PersistentVolumeClaim,
 /// VolumeAttachment, CSINode, CSIDriver, Lease (coordination.k8s.io/v1) and Event
-/// (events.k8s.io/v1).
+/// (events.k8s.io/v1). A kind added here must also be added to the kinds the embedded
+/// cluster serves (`embedded-cluster/src/handle.rs`), or `Cluster::api` panics on it there.
 pub trait Object:
     k8s_openapi::Resource
     + k8s_openapi::Metadata<Ty = ObjectMeta>

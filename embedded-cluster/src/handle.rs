@@ -47,13 +47,13 @@ impl ClusterBackend for Embedded {
 /// the controls below exist only here, so nothing can call them on a real cluster.
 #[derive(Clone)]
 pub struct EmbeddedCluster {
-    store: Arc<Embedded>,
+    embedded: Arc<Embedded>,
     cluster: Cluster,
 }
 
 impl Default for EmbeddedCluster {
     fn default() -> Self {
-        Self::with(EmbeddedConfig::default())
+        Self::with_config(EmbeddedConfig::default())
     }
 }
 
@@ -71,10 +71,10 @@ impl EmbeddedCluster {
         Self::default()
     }
 
-    pub fn with(config: EmbeddedConfig) -> Self {
-        let store = Arc::new(Embedded::new(config));
-        let cluster = Cluster::from_backend(store.clone());
-        EmbeddedCluster { store, cluster }
+    pub fn with_config(config: EmbeddedConfig) -> Self {
+        let embedded = Arc::new(Embedded::new(config));
+        let cluster = Cluster::from_backend(embedded.clone());
+        EmbeddedCluster { embedded, cluster }
     }
 
     /// The cluster, for the components (a clone shares the store).
@@ -87,12 +87,12 @@ impl EmbeddedCluster {
     /// status writes, lists and watches still answer). For tests of what a process does
     /// when it may not touch what it needs.
     pub fn deny<K: Object>(&self, namespace: &str) {
-        self.store.store::<K>().deny(namespace);
+        self.embedded.store::<K>().deny(namespace);
     }
 
     /// Undoes [`EmbeddedCluster::deny`] (the callers can reach it again).
     pub fn allow<K: Object>(&self, namespace: &str) {
-        self.store.store::<K>().allow(namespace);
+        self.embedded.store::<K>().allow(namespace);
     }
 
     /// Every watch of kind `K` open now goes silent. It delivers nothing more and never
@@ -101,12 +101,39 @@ impl EmbeddedCluster {
     /// started later work. For tests of what a process does when its watch dies without
     /// a sign.
     pub fn cut_watches<K: Object>(&self) {
-        self.store.store::<K>().cut_watches();
+        self.embedded.store::<K>().cut_watches();
     }
 
     /// How many objects of kind `K` are stored (all namespaces). For tests and
     /// benchmarks.
     pub fn count<K: Object>(&self) -> usize {
-        self.store.store::<K>().len()
+        self.embedded.store::<K>().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fencecsi_cluster::ListParams;
+
+    use super::*;
+
+    async fn served<K: Object>(c: &Cluster) {
+        let listed = c.api::<K>(None).list(&ListParams::default()).await;
+        assert!(listed.unwrap().items.is_empty(), "{}", K::KIND);
+    }
+
+    /// Each kind the seam implements `Object` for is served (another would panic).
+    #[tokio::test]
+    async fn serves_every_kind_of_the_seam() {
+        let c = EmbeddedCluster::new().cluster();
+        served::<Node>(&c).await;
+        served::<Pod>(&c).await;
+        served::<PersistentVolume>(&c).await;
+        served::<PersistentVolumeClaim>(&c).await;
+        served::<VolumeAttachment>(&c).await;
+        served::<CSINode>(&c).await;
+        served::<CSIDriver>(&c).await;
+        served::<Lease>(&c).await;
+        served::<Event>(&c).await;
     }
 }

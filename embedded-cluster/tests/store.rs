@@ -323,7 +323,7 @@ async fn every_watcher_sees_every_change_in_order() {
 
 #[tokio::test]
 async fn slow_watcher_is_relisted_not_buffered() {
-    let c = EmbeddedCluster::with(EmbeddedConfig {
+    let c = EmbeddedCluster::with_config(EmbeddedConfig {
         watch_buffer: 8,
         history: 8,
     });
@@ -350,7 +350,7 @@ async fn slow_watcher_is_relisted_not_buffered() {
 
 #[tokio::test]
 async fn watch_from_resource_version_replays_or_relists() {
-    let c = EmbeddedCluster::with(EmbeddedConfig {
+    let c = EmbeddedCluster::with_config(EmbeddedConfig {
         watch_buffer: 64,
         history: 4,
     });

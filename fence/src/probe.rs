@@ -131,9 +131,9 @@ fn probe_device(img: &Path, dev: &Path, data: u64, pattern: &[u8]) -> Result<(),
         if after[..data as usize] != expected[..] {
             return Err(format!(
                 "data changed after the fence (write {}, discard {}, write-zeroes {})",
-                said(&write),
-                said(&discard),
-                said(&zero)
+                outcome(&write),
+                outcome(&discard),
+                outcome(&zero)
             ));
         }
         if write.is_ok() {
@@ -147,11 +147,10 @@ fn probe_device(img: &Path, dev: &Path, data: u64, pattern: &[u8]) -> Result<(),
 }
 
 /// What a request through the fenced device got, for the probe's message.
-fn said(r: &std::io::Result<()>) -> &'static str {
-    if r.is_ok() {
-        "succeeded"
-    } else {
-        "failed"
+fn outcome(r: &std::io::Result<()>) -> String {
+    match r {
+        Ok(()) => "succeeded".into(),
+        Err(e) => format!("failed ({e})"),
     }
 }
 

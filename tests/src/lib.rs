@@ -348,9 +348,11 @@ impl InProcess {
 /// [`AllInOne::finish`] stops the plugin and asserts that nothing of the env is left
 /// mounted or attached. For a controller with node plugins, see [`rig::Rig`].
 pub struct AllInOne {
-    pub env: Env,
-    pub plugin: InProcess,
+    // Dropped in this order (a test that panics): the plugin stops before the env
+    // tears down its mounts and loop devices.
     pub client: CsiClient,
+    pub plugin: InProcess,
+    pub env: Env,
 }
 
 impl AllInOne {
@@ -359,9 +361,9 @@ impl AllInOne {
         let env = Env::new();
         let (plugin, client) = InProcess::start(env.config(Mode::All, Some("node-a"), "all")).await;
         AllInOne {
-            env,
-            plugin,
             client,
+            plugin,
+            env,
         }
     }
 

@@ -290,7 +290,7 @@ fn simulator_symbols(symbols: &[String]) -> Vec<&String> {
 }
 
 /// The three daemons as the image builds them (one `cargo build -p .. -p ..`,
-/// deploy/Dockerfile, without --release) carry neither the embedded API server nor
+/// deploy/Dockerfile, without --release) carry neither the embedded cluster nor
 /// the simulations: checked on their symbol tables.
 #[test]
 fn the_production_binaries_carry_no_simulator() {

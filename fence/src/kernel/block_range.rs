@@ -4,15 +4,19 @@
 //!
 //! Both ioctls drop the device's cached pages over the range before the
 //! request is sent (`truncate_bdev_range` in block/ioctl.c), dirty ones
-//! included, so they act on the page cache even when the request fails.
+//! included, so they act on the page cache even when the device then fails
+//! the request.
 
 use std::io;
 use std::os::fd::AsRawFd;
 
-// _IO(0x12, 119) and _IO(0x12, 127) in include/uapi/linux/fs.h; the argument
-// is a {start, length} pair of u64 in bytes.
-nix::ioctl_write_ptr_bad!(blkdiscard, nix::request_code_none!(0x12, 119), [u64; 2]);
-nix::ioctl_write_ptr_bad!(blkzeroout, nix::request_code_none!(0x12, 127), [u64; 2]);
+/// The raw ioctls, kept private (the macro makes them `pub`).
+mod sys {
+    // _IO(0x12, 119) and _IO(0x12, 127) in include/uapi/linux/fs.h; the
+    // argument is a {start, length} pair of u64 in bytes.
+    nix::ioctl_write_ptr_bad!(blkdiscard, nix::request_code_none!(0x12, 119), [u64; 2]);
+    nix::ioctl_write_ptr_bad!(blkzeroout, nix::request_code_none!(0x12, 127), [u64; 2]);
+}
 
 /// One kind of range request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,8 +42,8 @@ impl RangeRequest {
         // 16-byte range that outlives the call.
         let sent = unsafe {
             match self {
-                RangeRequest::Discard => blkdiscard(dev.as_raw_fd(), &range),
-                RangeRequest::WriteZeroes => blkzeroout(dev.as_raw_fd(), &range),
+                RangeRequest::Discard => sys::blkdiscard(dev.as_raw_fd(), &range),
+                RangeRequest::WriteZeroes => sys::blkzeroout(dev.as_raw_fd(), &range),
             }
         };
         sent.map(drop).map_err(io::Error::from)
