@@ -174,24 +174,34 @@ async fn reattach_and_check(s: &Setup, vol: &str, text: &str) {
 }
 
 /// Calls `call` until it answers other than ABORTED, as a CO retries; panics on any
-/// other error. Returns how many times it was ABORTED.
+/// other error, or when it is still ABORTED after [`ABORTED_AT_MOST`]. Returns how many
+/// times it was ABORTED.
 async fn until_not_aborted<F, Fut>(what: &str, call: F) -> u32
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<(), tonic::Status>>,
 {
+    let deadline = tokio::time::Instant::now() + ABORTED_AT_MOST;
     let mut aborted = 0;
     loop {
         match call().await {
             Ok(()) => return aborted,
             Err(e) if e.code() == Code::Aborted => {
                 aborted += 1;
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{what}: still ABORTED after {ABORTED_AT_MOST:?} ({aborted} answers): {e:?}"
+                );
                 tokio::time::sleep(Duration::from_millis(10)).await
             }
             Err(e) => panic!("{what}: {e:?}"),
         }
     }
 }
+
+/// How long a call may keep answering ABORTED (the recovery pass holding the volume):
+/// for liveness only, far above what a loaded machine takes.
+const ABORTED_AT_MOST: Duration = Duration::from_secs(60);
 
 async fn wait_report(rec: &RecoveryHandle, want: impl Fn(&PassReport) -> bool) -> PassReport {
     let mut rx = rec.subscribe();

@@ -343,6 +343,24 @@ impl InProcess {
     }
 }
 
+/// ControllerUnpublish from every node, then DeleteVolume.
+pub async fn unpublish_and_delete(c: &mut CsiClient, vol: &str) {
+    c.controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: vol.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    c.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("DeleteVolume {vol}: {e}"));
+}
+
 /// The smallest test world: a fresh [`Env`] and one plugin in this process serving
 /// every service as node "node-a" (the conformance and bad-input suites).
 /// [`AllInOne::finish`] stops the plugin and asserts that nothing of the env is left

@@ -15,7 +15,9 @@ use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::csi::volume_capability::{AccessMode, AccessType, MountVolume};
 use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType, VolumeSource};
 use fencecsi_tests::rig::stage_request;
-use fencecsi_tests::{block_cap, csi, mount_cap, require_root, Access, AllInOne, Env};
+use fencecsi_tests::{
+    block_cap, csi, mount_cap, require_root, unpublish_and_delete, Access, AllInOne, Env,
+};
 use tonic::Code;
 
 const MIB: i64 = 1 << 20;
@@ -161,20 +163,7 @@ async fn teardown(c: &mut CsiClient, id: &str, staging: &Path, targets: &[&Path]
         })
         .await
         .unwrap();
-    c.controller
-        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-            volume_id: id.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    c.controller
-        .delete_volume(csi::DeleteVolumeRequest {
-            volume_id: id.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    unpublish_and_delete(c, id).await;
 }
 
 fn bad_ids() -> Vec<String> {

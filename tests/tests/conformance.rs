@@ -23,7 +23,8 @@ use fencecsi_tests::csi::volume_content_source::{SnapshotSource, Type as SrcType
 use fencecsi_tests::csi::volume_usage::Unit;
 use fencecsi_tests::rig::stage_request;
 use fencecsi_tests::{
-    block_cap, csi, mount_cap, require_root, sha256_file, Access, AllInOne, Env, InProcess,
+    block_cap, csi, mount_cap, require_root, sha256_file, unpublish_and_delete, Access, AllInOne,
+    Env, InProcess,
 };
 use tonic::Code;
 
@@ -209,24 +210,6 @@ async fn node_unstage(c: &mut CsiClient, vol: &str, staging: &Path) {
         })
         .await
         .unwrap_or_else(|e| panic!("NodeUnstage {}: {e}", staging.display()));
-}
-
-/// ControllerUnpublish from every node, then DeleteVolume.
-async fn unpublish_and_delete(c: &mut CsiClient, vol: &str) {
-    c.controller
-        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-            volume_id: vol.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    c.controller
-        .delete_volume(csi::DeleteVolumeRequest {
-            volume_id: vol.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("DeleteVolume {vol}: {e}"));
 }
 
 /// (major, minor) of a device node.
