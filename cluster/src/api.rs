@@ -139,6 +139,11 @@ impl<K: Object> Api<K> {
     }
 
     /// Watches this `Api`'s namespace (or all). See [`WatchParams`] and [`crate::WatchEvent`].
+    ///
+    /// On a real API server the watch begins when the stream is first polled: its
+    /// initial list is taken then, and only later writes follow it. A caller that must see
+    /// every write from some point on polls until the first [`crate::WatchEvent::Listed`]
+    /// before that point. (The embedded cluster subscribes at once; do not rely on it.)
     pub fn watch(&self, params: &WatchParams) -> Result<WatchStream<K>> {
         self.backend
             .clone()

@@ -41,9 +41,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencecsi_driver::fence;
-use fencecsi_driver::kernel::loop_device::{self, AttachOptions, LoopInfo};
-use fencecsi_driver::kernel::loop_gate;
 use fencecsi_fence::kernel::block_range::RangeRequest;
+use fencecsi_fence::kernel::loop_device::{self, AttachOptions, LoopInfo};
+use fencecsi_fence::kernel::loop_gate;
 use fencecsi_tests::{monotonic_ns, require_root, Env};
 
 const BLOCK: usize = 4096;
@@ -331,7 +331,7 @@ fn one_round(
     round: u64,
 ) -> RoundResult {
     let image = env.path().join(format!("held-{round}.img"));
-    fencecsi_driver::kernel::files::create_sparse(&image, DATA).unwrap();
+    fencecsi_fence::kernel::files::create_sparse(&image, DATA).unwrap();
     if kind.zeroes() {
         let f = std::fs::OpenOptions::new()
             .write(true)
