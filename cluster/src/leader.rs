@@ -15,11 +15,18 @@
 //!   successful renew. Since `renew_deadline < lease_duration`, it has stopped acting as
 //!   leader before any other candidate may take over.
 //! - Release clears `holderIdentity`; a candidate takes a lease without holder at once.
+//! - A candidate given a [`VacancyProof`] ([`LeaderElector::proving_vacancy`]) also takes
+//!   over before expiry once something other than the API server shows the holder gone,
+//!   twice, a retry period apart, with the Lease unchanged in between (a holder that runs
+//!   renews within a retry period). An API server that answers late then delays such a
+//!   takeover by no more than its own lateness, where the expiry rule adds the lease
+//!   duration to it.
 //! - A follower ([`LeaderElectionConfig::follow`]) leads only while another Lease in the
 //!   same namespace names its identity: the containers of one pod then lead together. It
 //!   keeps observing its own Lease while it may not lead, so once it may, an expired Lease
 //!   is taken at once; and it releases its Lease as soon as the followed one moves away.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -100,6 +107,35 @@ impl LeaderElectionConfig {
     }
 }
 
+/// Proof, from outside the API server, that the Lease holder it is given can no longer act,
+/// for example because the kernel dropped a lock that holder kept for as long as it could
+/// act. It must answer false whenever it cannot tell. Called off the async runtime, one
+/// call at a time, and not waited for longer than the retry period.
+pub type VacancyProof = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// A [`VacancyProof`] and whether a call of it is still running.
+struct Vacancy {
+    proof: VacancyProof,
+    running: Arc<AtomicBool>,
+}
+
+/// Marks the call of a proof returned, also when it panicked.
+struct CallDone(Arc<AtomicBool>);
+
+impl Drop for CallDone {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl std::fmt::Debug for Vacancy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vacancy")
+            .field("running", &self.running.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(Debug)]
 struct State {
     /// resourceVersion of the lease record last seen, and when (local clock) it was first seen.
@@ -111,6 +147,9 @@ struct State {
     /// (leading or not); a candidate that is refused (Forbidden, wrong namespace) or
     /// cannot connect stops advancing it.
     answered_at: Instant,
+    /// The resourceVersion of the Lease when its holder was first proven gone, and when;
+    /// cleared by any round in which it was not.
+    vacated: Option<(Option<String>, Instant)>,
 }
 
 /// One candidate. Use [`LeaderElector::spawn`] for the background loop, or drive it with
@@ -120,6 +159,7 @@ pub struct LeaderElector {
     api: Api<Lease>,
     cfg: LeaderElectionConfig,
     state: Mutex<State>,
+    vacancy: Option<Vacancy>,
 }
 
 fn micro_now() -> MicroTime {
@@ -159,8 +199,20 @@ impl LeaderElector {
                 observed_at: Instant::now(),
                 renewed_at: None,
                 answered_at: Instant::now(),
+                vacated: None,
             }),
+            vacancy: None,
         })
+    }
+
+    /// Takes the Lease over before it expires once `proof` shows its holder gone, twice, a
+    /// retry period apart, the Lease unchanged in between (see the module docs).
+    pub fn proving_vacancy(mut self, proof: VacancyProof) -> Self {
+        self.vacancy = Some(Vacancy {
+            proof,
+            running: Arc::new(AtomicBool::new(false)),
+        });
+        self
     }
 
     pub fn identity(&self) -> &str {
@@ -201,7 +253,7 @@ impl LeaderElector {
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
         let i_hold = holder.as_deref() == Some(me.as_str());
-        {
+        let expired = {
             let mut st = self.state();
             if st.observed_rv != lease.metadata.resource_version {
                 st.observed_rv = lease.metadata.resource_version.clone();
@@ -214,10 +266,19 @@ impl LeaderElector {
                     .lease_duration_seconds
                     .unwrap_or(self.cfg.lease_duration_secs())
                     .max(1);
-                if st.observed_at.elapsed() < Duration::from_secs(lease_secs as u64) {
-                    return Ok(false);
-                }
-                tracing::info!(lease = %self.cfg.lease_name, old = ?holder, new = %me, "lease expired; taking over");
+                Some(st.observed_at.elapsed() >= Duration::from_secs(lease_secs as u64))
+            } else {
+                None
+            }
+        };
+        if let (Some(expired), Some(old)) = (expired, holder.as_deref()) {
+            let rv = lease.metadata.resource_version.as_deref();
+            if expired {
+                tracing::info!(lease = %self.cfg.lease_name, old = %old, new = %me, "lease expired; taking over");
+            } else if self.vacancy_confirmed(old, rv).await {
+                tracing::info!(lease = %self.cfg.lease_name, old = %old, new = %me, "the holder is proven gone (twice, a retry period apart, the Lease unchanged): taking over before the Lease expires");
+            } else {
+                return Ok(false);
             }
         }
 
@@ -291,8 +352,48 @@ impl LeaderElector {
         Ok(holder.as_deref() == Some(self.cfg.identity.as_str()))
     }
 
+    /// Whether the holder `old` of the Lease at resourceVersion `rv` is proven gone now and
+    /// was already a retry period ago, at the same resourceVersion.
+    async fn vacancy_confirmed(&self, old: &str, rv: Option<&str>) -> bool {
+        let Some(vacancy) = &self.vacancy else {
+            return false;
+        };
+        let gone = if vacancy.running.swap(true, Ordering::AcqRel) {
+            false // the last call has not returned: it proves nothing yet
+        } else {
+            let (proof, running, old) = (
+                vacancy.proof.clone(),
+                vacancy.running.clone(),
+                old.to_string(),
+            );
+            let call = tokio::task::spawn_blocking(move || {
+                let _done = CallDone(running);
+                proof(&old)
+            });
+            matches!(
+                tokio::time::timeout(self.cfg.retry_period, call).await,
+                Ok(Ok(true))
+            )
+        };
+        let mut st = self.state();
+        match &st.vacated {
+            _ if !gone => {
+                st.vacated = None;
+                false
+            }
+            Some((seen, since)) if seen.as_deref() == rv => {
+                since.elapsed() >= self.cfg.retry_period
+            }
+            _ => {
+                st.vacated = Some((rv.map(str::to_string), Instant::now()));
+                false
+            }
+        }
+    }
+
     fn record_success(&self, lease: &Lease, sent: Instant) {
         let mut st = self.state();
+        st.vacated = None;
         st.observed_rv = lease.metadata.resource_version.clone();
         st.observed_at = Instant::now();
         st.renewed_at = Some(sent);

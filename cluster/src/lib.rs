@@ -73,7 +73,7 @@ pub use api::Api;
 pub use backend::{ClusterBackend, Filter, KindBackend, ServedKind, WatchStream};
 pub use error::{Error, Result};
 pub use events::{object_ref, EventRecorder, EventType};
-pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle};
+pub use leader::{LeaderElectionConfig, LeaderElector, LeaderHandle, VacancyProof};
 pub use object::{HasStatus, Object};
 pub use params::{
     DeleteOptions, DeleteOutcome, ListParams, MetadataPatch, ObjectList, Preconditions, WatchEvent,

@@ -1587,14 +1587,17 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
             "{name} must run --leader-election"
         );
     }
-    // The Go sidecars' elections move off a failed pod within the controller's 20 s bound:
-    // a candidate sees the leader's last renewal up to one poll (retry period, jittered by
-    // up to 1.2x) late, waits the Lease out, then takes it at its next poll.
+    // The Go sidecars' elections, and the Leases of fencecsi's followers of the plugin's
+    // Lease, move off a failed pod within the controller's 20 s bound: a candidate sees the
+    // leader's last renewal up to one poll (retry period, jittered by up to 1.2x in the
+    // sidecars) late, waits the Lease out, then takes it at its next poll.
     for name in [
         "csi-provisioner",
         "csi-resizer",
         "csi-snapshotter",
         "csi-health-monitor",
+        "fencecsi-attacher",
+        "fencecsi-podgc",
     ] {
         let secs = |f: &str| {
             let v = flag(container(&pod, name), f)

@@ -24,9 +24,21 @@
 //!   (see `locks::owner_lock`). Only the driver's own process arms a switch; an owner
 //!   without one (served in-process) is waited for while this replica leads.
 //!
-//! So the controller fails over in about `--leader-election-lease-duration` (15 s by
-//! default) after its node is cut off, plus the standby's start-up pass, and a frozen
-//! node adds at most `TAKEOVER_WAIT` to that.
+//! - a standby does not wait for the Lease to expire when the kernel shows that its
+//!   holder let go of the state dir: the newest ownership generation names the holder (its
+//!   Lease identity) and its lock is free (`locks::vacated_by`). The kernel drops that lock
+//!   only with the owner's last thread or its graceful stop, so a holder that exited, was
+//!   killed or lost power is taken over from at once, and one cut off from the API server
+//!   as soon as it has given up. Seen twice, a retry period apart, the Lease unchanged
+//!   (`cluster::leader`), so that a holder restarted under the same name, which renews
+//!   and locks a new generation at once, is not taken for gone. This needs no answer from
+//!   the API server in time: one that answers late delays the takeover by its lateness
+//!   only, where expiry would add the lease duration to it.
+//!
+//! So the controller fails over within `--leader-election-lease-duration` (15 s by
+//! default) after its node is cut off or frozen, about two retry periods after a leader
+//! that exited or was killed, plus the standby's start-up pass; a frozen node adds at most
+//! `TAKEOVER_WAIT` to that.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,8 +87,15 @@ pub async fn lead(
         })?,
     };
     let election = election_config(cfg)?;
+    let state_dir = cfg.state_dir.clone();
     let elector = LeaderElector::new(&cluster, election.clone())
-        .map_err(|e| ServeError::Config(format!("leader election: {e}")))?;
+        .map_err(|e| ServeError::Config(format!("leader election: {e}")))?
+        .proving_vacancy(Arc::new(move |holder: &str| {
+            crate::locks::vacated_by(&state_dir, holder).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "could not read the state dir's ownership: the Lease's holder is waited for");
+                false
+            })
+        }));
     let mut handle = elector.spawn();
     let socket = cfg.socket_path().map_err(ServeError::Config)?;
     tracing::info!(lease = %election.lease_name, namespace = %election.namespace, identity = %election.identity, "standing by: the state dir is served once this replica leads");
@@ -126,9 +145,11 @@ async fn open_while_leading(
     let claim = Claim {
         arm: kill_switch,
         take_over: true,
+        identity: Some(handle.elector().identity().to_string()),
     };
     while handle.is_leader() {
         let c = cfg.clone();
+        let claim = claim.clone();
         let opened = tokio::task::spawn_blocking(move || Controller::open_claiming(c, claim))
             .await
             .map_err(|e| ServeError::Config(format!("opening controller state: {e}")))?;

@@ -221,9 +221,12 @@ async fn open_services(cfg: &Config, hooks: &mut ServeHooks) -> Result<Services,
         (Some(lease), Some(c))
     } else if cfg.mode.controller() {
         // Armed here too: a leader (of a later, elected deployment) can then take over.
+        // Named only when given: an elected successor can then learn from the kernel that
+        // this owner, if it held the Lease under that name, let go.
         let claim = crate::locks::Claim {
             arm: hooks.kill_switch,
             take_over: false,
+            identity: cfg.identity.name.clone(),
         };
         let c = Controller::open_claiming(cfg.clone(), claim)
             .map_err(io_error("opening controller state"))?;

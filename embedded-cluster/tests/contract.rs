@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Result};
@@ -22,8 +23,8 @@ use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta
 use fencecsi_cluster::k8s_openapi::jiff::{SignedDuration, Timestamp};
 use fencecsi_cluster::{
     object_ref, Api, Cluster, DeleteOptions, DeleteOutcome, EventRecorder, EventType,
-    LeaderElectionConfig, LeaderElector, ListParams, MetadataPatch, WatchEvent, WatchParams,
-    WatchStream,
+    LeaderElectionConfig, LeaderElector, ListParams, MetadataPatch, VacancyProof, WatchEvent,
+    WatchParams, WatchStream,
 };
 use fencecsi_embedded_cluster::EmbeddedCluster;
 use futures::StreamExt;
@@ -946,6 +947,110 @@ async fn lease_records_until(
     }
 }
 
+/// A candidate with a vacancy proof takes a Lease over before it expires once the proof
+/// shows the holder gone on two rounds a retry period apart, the Lease unchanged between
+/// them. The rounds are driven one by one and the Lease lasts an hour, so expiry explains
+/// nothing here. Controls, with the same rounds: a proof that does not show the holder
+/// gone, one that shows someone else gone, one that does not answer in time, and a holder
+/// that renews between the two sightings (the count starts again).
+async fn a_proven_vacancy_takes_over_before_expiry(ctx: &Ctx) -> Result<()> {
+    let lease = ctx.name("vacated");
+    let (_holder, candidate) = held_beside(ctx, &lease, proof_of_gone("gone")).await?;
+    let led = rounds_of(&candidate, 2).await?;
+    ensure!(
+        led == [false, true],
+        "proven gone twice, taken on the second round: {led:?}"
+    );
+    ensure!(
+        holder_of(ctx, &lease).await?.as_deref() == Some("candidate"),
+        "the candidate holds the Lease"
+    );
+
+    let slow: VacancyProof = Arc::new(|_: &str| {
+        std::thread::sleep(VACANCY_RETRY * 10);
+        true
+    });
+    for (what, proof) in [
+        (
+            "a proof that shows the holder running",
+            proof_of_gone("nobody"),
+        ),
+        ("a proof about someone else", proof_of_gone("someone-else")),
+        ("a proof that does not answer within the retry period", slow),
+    ] {
+        let lease = ctx.name("not-vacated");
+        let (_holder, candidate) = held_beside(ctx, &lease, proof).await?;
+        let led = rounds_of(&candidate, 4).await?;
+        ensure!(led == [false; 4], "{what}: the candidate led: {led:?}");
+        ensure!(
+            holder_of(ctx, &lease).await?.as_deref() == Some("gone"),
+            "{what}: the Lease moved"
+        );
+    }
+
+    let lease = ctx.name("renewed");
+    let (holder, candidate) = held_beside(ctx, &lease, proof_of_gone("gone")).await?;
+    ensure!(
+        !candidate.try_acquire_or_renew().await?,
+        "led on its first sighting"
+    );
+    // A retry period on, the second sighting would take the Lease, but for the renewal.
+    tokio::time::sleep(VACANCY_RETRY).await;
+    ensure!(holder.try_acquire_or_renew().await?, "the holder renews");
+    let led = rounds_of(&candidate, 2).await?;
+    ensure!(
+        led == [false, true],
+        "a renewal between the sightings starts the count again: {led:?}"
+    );
+    Ok(())
+}
+
+/// The retry period of the vacancy case's candidates; their Lease lasts an hour.
+const VACANCY_RETRY: Duration = Duration::from_millis(200);
+
+fn vacancy_timing(ctx: &Ctx, lease: &str, id: &str) -> LeaderElectionConfig {
+    LeaderElectionConfig::new(&ctx.ns, lease, id).with_timing(
+        Duration::from_secs(3600),
+        Duration::from_secs(10),
+        VACANCY_RETRY,
+    )
+}
+
+/// A proof that shows `gone` gone, and every other holder running.
+fn proof_of_gone(gone: &'static str) -> VacancyProof {
+    Arc::new(move |holder: &str| holder == gone)
+}
+
+/// `lease` held by "gone" (one round of its elector), and a "candidate" with `proof`.
+async fn held_beside(
+    ctx: &Ctx,
+    lease: &str,
+    proof: VacancyProof,
+) -> Result<(LeaderElector, LeaderElector)> {
+    let holder = LeaderElector::new(&ctx.cluster, vacancy_timing(ctx, lease, "gone"))?;
+    ensure!(holder.try_acquire_or_renew().await?, "the holder leads");
+    let candidate = LeaderElector::new(&ctx.cluster, vacancy_timing(ctx, lease, "candidate"))?
+        .proving_vacancy(proof);
+    Ok((holder, candidate))
+}
+
+/// Whether `candidate` led after each of `n` rounds, a retry period apart.
+async fn rounds_of(candidate: &LeaderElector, n: usize) -> Result<Vec<bool>> {
+    let mut led = Vec::new();
+    for i in 0..n {
+        if i > 0 {
+            tokio::time::sleep(VACANCY_RETRY).await;
+        }
+        led.push(candidate.try_acquire_or_renew().await?);
+    }
+    Ok(led)
+}
+
+async fn holder_of(ctx: &Ctx, lease: &str) -> Result<Option<String>> {
+    let l = ctx.cluster.api::<Lease>(Some(&ctx.ns)).get(lease).await?;
+    Ok(l.spec.and_then(|s| s.holder_identity))
+}
+
 async fn events_are_recorded(ctx: &Ctx) -> Result<()> {
     let vas = ctx.cluster.api::<VolumeAttachment>(None);
     let va = vas.create(&ctx.va("event")).await?;
@@ -1202,6 +1307,12 @@ async fn run_contract(cluster: Cluster, ns: &str) -> Result<()> {
         "followers lead where the followed lease is held",
         &mut failures,
         Box::pin(followers_lead_where_the_followed_lease_is_held(&ctx)),
+    )
+    .await;
+    case(
+        "a proven vacancy takes over before expiry",
+        &mut failures,
+        Box::pin(a_proven_vacancy_takes_over_before_expiry(&ctx)),
     )
     .await;
     case(

@@ -498,6 +498,9 @@ impl Process {
             }
         }
         if cfg.mode.controller() {
+            if let Some(id) = &cfg.identity.name {
+                cmd.arg("--identity").arg(id);
+            }
             cmd.arg("--gc-interval")
                 .arg(format!("{}ms", cfg.gc_interval.as_millis()))
                 .arg("--max-freeze")

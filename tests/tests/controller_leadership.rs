@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 use fencecsi_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use fencecsi_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use fencecsi_cluster::Cluster;
+use fencecsi_driver::config::Mode;
 use fencecsi_embedded_cluster::EmbeddedCluster;
 use fencecsi_proto::client::CsiClient;
 use fencecsi_tests::replica::{Replica, LEASE, NS, RENEW, RETRY};
 use fencecsi_tests::rig::{create_request, volume_ids};
-use fencecsi_tests::{csi, mount_cap, require_root, Access, Env};
+use fencecsi_tests::{csi, mount_cap, require_root, wait_for_socket, Access, Env, Process};
 use tonic::Code;
 
 /// Polls `f` until it answers Some; fails with `what` after `secs`.
@@ -158,8 +159,65 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
     assert!(ids.contains(&through_b), "{ids:?}");
     assert_eq!(ids.len(), 3);
 
+    delete_all(&mut cb, ids).await;
+    b.stop().await;
+    env.assert_clean();
+}
+
+/// A leader killed (a power-off, a crash) still holds its Lease for an hour, as far as the
+/// API server knows; the standby learns from the kernel that it let go of the state dir
+/// (its generation's lock is free) and takes the Lease and the state dir over at once,
+/// with the volume the former leader made. Expiry cannot explain it: the Lease lasts an
+/// hour. The controls are the contract's (a holder that runs, renews or is someone else
+/// is waited for) and the lock's (a frozen holder keeps its lock: the_lock_says_when_a_lease_holder_let_go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_at_once_from_a_leader_that_was_killed() {
+    require_root!();
+    fencecsi_tests::init_tracing();
+    let env = Env::new();
+    let cluster = EmbeddedCluster::new();
+    // The former leader, in a process of its own, owning the state dir under its name.
+    let mut cfg = env.config(Mode::Controller, None, "controller-a");
+    cfg.identity.name = Some("controller-a".into());
+    let mut a = Process::spawn(&cfg);
+    let mut ca = wait_for_socket(&a.socket).await;
+    let vol = create(&mut ca, "pvc-a").await.expect("a serves");
+    hold_the_lease_as(&cluster, "controller-a").await;
+
+    let mut b = Replica::start(&env, &cluster, "controller-b");
+    let mut cb = b.client().await;
+    let err = create(&mut cb, "pvc-b").await.expect_err("a leads");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+
+    a.kill9();
+    let through_b = eventually(60, "b takes over from the killed leader", || {
+        let mut c = cb.clone();
+        async move { create(&mut c, "pvc-b").await.ok() }
+    })
+    .await;
+    let lease = cluster
+        .api::<Lease>(Some(NS))
+        .get("fencecsi-controller-plugin")
+        .await
+        .unwrap();
+    assert_eq!(
+        lease.spec.and_then(|s| s.holder_identity).as_deref(),
+        Some("controller-b")
+    );
+    let ids = volume_ids(&mut cb).await;
+    assert_eq!(
+        ids,
+        [vol, through_b].into(),
+        "b serves a's volume and its own"
+    );
+    delete_all(&mut cb, ids).await;
+    b.stop().await;
+    env.assert_clean();
+}
+
+async fn delete_all(c: &mut CsiClient, ids: std::collections::BTreeSet<String>) {
     for id in ids {
-        cb.controller
+        c.controller
             .delete_volume(csi::DeleteVolumeRequest {
                 volume_id: id,
                 ..Default::default()
@@ -167,12 +225,15 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
             .await
             .unwrap();
     }
-    b.stop().await;
-    env.assert_clean();
 }
 
 /// Someone else holds the controller plugin's Lease, for an hour, and serves nothing.
 async fn hold_the_lease_elsewhere(cluster: &Cluster) -> Lease {
+    hold_the_lease_as(cluster, "elsewhere").await
+}
+
+/// `holder` holds the controller plugin's Lease, for an hour.
+async fn hold_the_lease_as(cluster: &Cluster, holder: &str) -> Lease {
     let now = MicroTime(fencecsi_cluster::k8s_openapi::jiff::Timestamp::now());
     cluster
         .api::<Lease>(Some(NS))
@@ -183,7 +244,7 @@ async fn hold_the_lease_elsewhere(cluster: &Cluster) -> Lease {
                 ..Default::default()
             },
             spec: Some(LeaseSpec {
-                holder_identity: Some("elsewhere".into()),
+                holder_identity: Some(holder.into()),
                 lease_duration_seconds: Some(3600),
                 acquire_time: Some(now.clone()),
                 renew_time: Some(now),

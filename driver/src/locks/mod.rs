@@ -38,7 +38,9 @@ mod records_lock;
 
 pub use fencecsi_fence::lock::{BackingLock, NODE_LOCK_WAIT};
 pub(crate) use owner_lock::OwnerLock;
-pub use owner_lock::{leader_socket, owner_of, Claim, Holder, Predecessor, TAKEOVER_WAIT};
+pub use owner_lock::{
+    leader_socket, owner_of, vacated_by, Claim, Holder, Predecessor, TAKEOVER_WAIT,
+};
 pub use publish_lock::PublishLock;
 pub(crate) use records_lock::RecordsLock;
 

@@ -48,14 +48,18 @@ pub fn leader_socket(state_dir: &Path) -> PathBuf {
 /// wanted (only a second successor racing, which leader election makes rare).
 const RACES: usize = 8;
 
-/// How an acquisition treats a former owner.
-#[derive(Clone, Copy, Debug, Default)]
+/// How an acquisition treats a former owner, and what its generation says of it.
+#[derive(Clone, Debug, Default)]
 pub struct Claim {
     /// Arm a kill switch for this process, so that a successor can prove it gone. Only a
     /// process that may be killed arms one: never a test or tool that serves in-process.
     pub arm: bool,
     /// Fire a holder's switch and take over (only while leading the Lease); else refuse.
     pub take_over: bool,
+    /// The name this owner leads under (its Lease identity), written into its generation
+    /// so that a standby can learn from the kernel that the Lease's holder let go
+    /// ([`vacated_by`]). None names none.
+    pub identity: Option<String>,
 }
 
 /// What became of the former owner of a state dir taken over.
@@ -86,6 +90,8 @@ pub struct Holder {
     pub pid: u32,
     /// Its kill switch; empty when it armed none.
     pub switch: String,
+    /// The Lease identity it leads under; empty when it named none.
+    pub identity: String,
 }
 
 impl OwnerLock {
@@ -121,7 +127,9 @@ impl OwnerLock {
                 true => KillSwitch::arm(&dir)?,
                 false => None,
             };
-            let Some(file) = make_generation(&dir, next, switch.as_ref())? else {
+            let Some(file) =
+                make_generation(&dir, next, switch.as_ref(), claim.identity.as_deref())?
+            else {
                 continue;
             };
             drop(probe_lock);
@@ -157,6 +165,36 @@ pub fn owner_of(state_dir: &Path) -> io::Result<Option<Holder>> {
     match newest_generation(&dir)? {
         Some(n) => held_by(&dir, n),
         None => Ok(None),
+    }
+}
+
+/// Whether the Lease holder `identity` has let go of the state dir for good: the newest
+/// generation names it, and nobody holds its lock. The kernel drops that lock only when the
+/// owner lets go (a graceful stop, after which it never owns again without a new
+/// generation) or with its last thread (an exit, a kill, a power-off); a frozen or a
+/// running owner keeps it. A holder that has not made its generation yet, or made one
+/// naming no identity, proves nothing (false). The lock is only tried, shared, for an
+/// instant; an owner locking a new generation waits out such a try (`make_generation`).
+pub fn vacated_by(state_dir: &Path, identity: &str) -> io::Result<bool> {
+    let dir = state_dir.join(OWNER_DIR);
+    let Some(n) = newest_generation(&dir)? else {
+        return Ok(false);
+    };
+    let mut f = match File::open(generation_path(&dir, n)) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let mut text = String::new();
+    f.read_to_string(&mut text)?;
+    let identity = identity.trim();
+    if identity.is_empty() || parse_holder(&text).identity != identity {
+        return Ok(false);
+    }
+    match f.try_lock_shared() {
+        Ok(()) => Ok(true),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(false),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
     }
 }
 
@@ -220,6 +258,8 @@ fn parse_holder(text: &str) -> Holder {
             h.pid = v.trim().parse().unwrap_or(0);
         } else if let Some(v) = line.strip_prefix("switch=") {
             h.switch = v.trim().to_string();
+        } else if let Some(v) = line.strip_prefix("identity=") {
+            h.identity = v.trim().to_string();
         }
     }
     h
@@ -282,9 +322,15 @@ fn take_from(state_dir: &Path, dir: &Path, n: u64, holder: &Holder) -> io::Resul
     }
 }
 
-/// Creates generation `n` naming this process and locks it; None if another maker took the
-/// number, or holds it (a prober, for an instant: it then moves on to a newer one).
-fn make_generation(dir: &Path, n: u64, switch: Option<&KillSwitch>) -> io::Result<Option<File>> {
+/// Creates generation `n` naming this process (and the identity it leads under) and locks
+/// it; None if another maker took the number, or holds it (a prober, for an instant: it
+/// then moves on to a newer one).
+fn make_generation(
+    dir: &Path,
+    n: u64,
+    switch: Option<&KillSwitch>,
+    identity: Option<&str>,
+) -> io::Result<Option<File>> {
     let mut f = match OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -302,6 +348,10 @@ fn make_generation(dir: &Path, n: u64, switch: Option<&KillSwitch>) -> io::Resul
         std::process::id(),
         switch.map(KillSwitch::name).unwrap_or_default()
     )?;
+    // One line per field: a name that would break the line is left out (it proves nothing).
+    if let Some(id) = identity.filter(|id| !id.is_empty() && !id.contains(char::is_control)) {
+        writeln!(f, "identity={}", id.trim())?;
+    }
     match super::flock_within(f, true, Duration::from_secs(1)) {
         Ok(f) => Ok(Some(f)),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut => {

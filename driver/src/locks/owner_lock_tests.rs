@@ -11,6 +11,9 @@ const HOLDER_DIR: &str = "FENCECSI_TEST_HOLDER_DIR";
 const HOLDER_ARM: &str = "FENCECSI_TEST_HOLDER_ARM";
 const FREEZER: &str = "/sys/fs/cgroup/freezer";
 
+/// The Lease identity every holder process leads under.
+const HOLDER_IDENTITY: &str = "controller-holder";
+
 fn refuse() -> Claim {
     Claim::default()
 }
@@ -19,6 +22,7 @@ fn take_over() -> Claim {
     Claim {
         arm: false,
         take_over: true,
+        identity: None,
     }
 }
 
@@ -74,6 +78,9 @@ fn a_held_legacy_lock_is_honoured() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("older fencecsi-driver"), "{err}");
+    // Unlocked, not only closed: a holder process another test forks meanwhile keeps a
+    // copy of every open file until it execs, and with it this lock.
+    legacy.unlock().unwrap();
     drop(legacy);
     OwnerLock::acquire(dir.path(), refuse()).expect("free with the legacy lock let go");
 }
@@ -91,6 +98,7 @@ fn holder() {
     let claim = Claim {
         arm: std::env::var_os(HOLDER_ARM).is_some(),
         take_over: false,
+        identity: Some(HOLDER_IDENTITY.into()),
     };
     let _owner = OwnerLock::acquire(&dir, claim).expect("the holder owns the state dir");
     // Never waited for: it must die with this process, through the switch or the test's killpg.
@@ -339,4 +347,60 @@ fn a_running_owner_is_killed_and_its_lock_goes_with_it() {
         switches.is_empty(),
         "the former owner's switch is removed: {switches:?}"
     );
+}
+
+/// What a standby asks before it takes the Lease early: has its holder let go of the state
+/// dir? The kernel answers: no while the holder runs, and no while it is frozen (a frozen
+/// holder keeps its lock: the hang a Lease's expiry and the kill switch are for); yes once
+/// it is killed, its lock gone with it, or has let go. Never for another name, nor for an
+/// owner that named none.
+#[test]
+fn the_lock_says_when_a_lease_holder_let_go() {
+    fencecsi_fence::require_root!();
+    let dir = tempfile::tempdir().unwrap();
+    assert!(
+        !vacated_by(dir.path(), HOLDER_IDENTITY).unwrap(),
+        "no generation yet"
+    );
+    let mut holder = HolderProcess::start(dir.path(), true);
+    assert_eq!(
+        owner_of(dir.path()).unwrap().unwrap().identity,
+        HOLDER_IDENTITY
+    );
+    assert!(!vacated_by(dir.path(), HOLDER_IDENTITY).unwrap(), "running");
+    if Freezer::available() {
+        let freezer = Freezer::new("vacated");
+        freezer.add(holder.child.id());
+        freezer.add(holder.tool_pid() as u32);
+        freezer.freeze();
+        assert!(!vacated_by(dir.path(), HOLDER_IDENTITY).unwrap(), "frozen");
+        freezer.thaw();
+    }
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(holder.child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    assert_eq!(holder.ended_by(), Some(libc::SIGKILL));
+    assert!(vacated_by(dir.path(), HOLDER_IDENTITY).unwrap(), "killed");
+    assert!(
+        !vacated_by(dir.path(), "another-controller").unwrap(),
+        "another name"
+    );
+    assert!(!vacated_by(dir.path(), "").unwrap(), "no name");
+
+    // In this process: let go gracefully; and an owner that named no identity.
+    let named = Claim {
+        identity: Some("in-process".into()),
+        ..Claim::default()
+    };
+    let owner = OwnerLock::acquire(dir.path(), named).unwrap();
+    assert!(!vacated_by(dir.path(), "in-process").unwrap(), "owned");
+    assert!(
+        !vacated_by(dir.path(), HOLDER_IDENTITY).unwrap(),
+        "superseded"
+    );
+    drop(owner);
+    assert!(vacated_by(dir.path(), "in-process").unwrap(), "let go");
+    drop(OwnerLock::acquire(dir.path(), refuse()).unwrap());
+    assert!(!vacated_by(dir.path(), "in-process").unwrap(), "names none");
 }
