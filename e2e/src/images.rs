@@ -102,11 +102,13 @@ pub fn import(holder: i32, socket: &str, archive: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The fencecsi image archive: `FENCECSI_E2E_FENCECSI_IMAGE` if set, else what
-/// `scripts/image.sh` builds from this checkout (run now; fast when its cache is warm).
+/// The fencecsi image archive: `FENCECSI_E2E_FENCECSI_IMAGE` if set (a relative path is
+/// the repository's, where the README's commands run, not the e2e crate's, where cargo
+/// runs the test), else what `scripts/image.sh` builds from this checkout (run now; fast
+/// when its cache is warm).
 pub fn fencecsi_image(repo: &Path) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("FENCECSI_E2E_FENCECSI_IMAGE") {
-        return Ok(PathBuf::from(p));
+        return Ok(repo.join(p));
     }
     crate::say("building the fencecsi image from this checkout: bash scripts/image.sh");
     let mut cmd = Command::new("bash");

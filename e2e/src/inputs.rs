@@ -61,8 +61,10 @@ pub fn from_env() -> Result<Inputs, String> {
         .parent()
         .unwrap()
         .to_path_buf();
-    let k8s_bin = std::env::var_os(K8S_BIN).map(PathBuf::from);
-    let images_dir = std::env::var_os(IMAGES).map(PathBuf::from);
+    // Relative to the repository, where the README's commands run (cargo runs the test in
+    // the e2e crate's directory).
+    let k8s_bin = std::env::var_os(K8S_BIN).map(|p| repo.join(p));
+    let images_dir = std::env::var_os(IMAGES).map(|p| repo.join(p));
     let (Some(k8s_bin), Some(images_dir)) = (k8s_bin, images_dir) else {
         return Err(format!(
             "{K8S_BIN} (a directory with {}) and {IMAGES} (a directory of image archives: the sidecars at the tags in deploy/base, and the pause image) are not both set",
