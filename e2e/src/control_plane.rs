@@ -32,6 +32,8 @@ pub struct ControlPlane {
     pub dir: PathBuf,
     /// Tokens of the node identities, by node name.
     pub node_kubeconfigs: Vec<(String, PathBuf)>,
+    /// The API server's process group (its pid).
+    pub apiserver_pgid: i32,
 }
 
 fn random_token() -> Result<String> {
@@ -74,12 +76,13 @@ pub fn start(
     let url = format!("https://{bind_ip}:{API_PORT}");
     let ids = write_identities(dir, &url, pki, nodes)?;
     let etcd_url = start_etcd(bin, dir, td)?;
-    start_apiserver(bin, dir, pki, bind_ip, &etcd_url, &ids.tokens, td)?;
+    let apiserver_pgid = start_apiserver(bin, dir, pki, bind_ip, &etcd_url, &ids.tokens, td)?;
     let cp = ControlPlane {
         url,
         admin_kubeconfig: ids.admin,
         dir: dir.into(),
         node_kubeconfigs: ids.nodes,
+        apiserver_pgid,
     };
     wait_ready(bin, &cp)?;
     start_controllers(bin, dir, pki, &ids.controller_manager, &ids.scheduler, td)?;
@@ -206,7 +209,8 @@ fn identity_args(kubeconfig: &Path) -> [String; 3] {
     .map(|flag| format!("--{flag}={}", kubeconfig.display()))
 }
 
-fn daemon(name: &str, cmd: &mut Command, dir: &Path, td: &Teardown) -> Result<()> {
+/// Starts `cmd` in a process group of its own, recorded for the teardown; its pid.
+fn daemon(name: &str, cmd: &mut Command, dir: &Path, td: &Teardown) -> Result<i32> {
     let log = dir.join("logs").join(format!("{name}.log"));
     let child = process::spawn_daemon(cmd, &log)?;
     td.record_daemon(name, child.id() as i32);
@@ -214,7 +218,7 @@ fn daemon(name: &str, cmd: &mut Command, dir: &Path, td: &Teardown) -> Result<()
         "control plane: {name} started (log {})",
         log.display()
     ));
-    Ok(())
+    Ok(child.id() as i32)
 }
 
 fn start_etcd(bin: &Path, dir: &Path, td: &Teardown) -> Result<String> {
@@ -250,7 +254,7 @@ fn start_apiserver(
     etcd_url: &str,
     tokens: &Path,
     td: &Teardown,
-) -> Result<()> {
+) -> Result<i32> {
     let f = |flag: &str, p: &Path| format!("--{flag}={}", p.display());
     daemon(
         "kube-apiserver",

@@ -42,28 +42,31 @@ pub fn fenced_from(record: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Copies the data region of `gen` to `dst`.
-pub fn copy_data_region(gen: &Path, dst: &Path) -> Result<u64> {
-    let len = std::fs::metadata(gen)?.len().saturating_sub(TRAILER_BYTES);
-    let mut src = std::fs::File::open(gen)?.take(len);
+/// Copies the data region of `gen` to `dst`, and keeps `gen` open: the comparison after
+/// the failover then reads this very inode, which the controller's garbage collection may
+/// already have unlinked (superseded, and released by its node once back).
+pub fn open_and_copy_data_region(gen: &Path, dst: &Path) -> Result<std::fs::File> {
+    let src = std::fs::File::open(gen)?;
+    let len = src.metadata()?.len().saturating_sub(TRAILER_BYTES);
     let mut out = std::fs::File::create(dst)?;
-    std::io::copy(&mut src, &mut out)?;
-    Ok(len)
+    std::io::copy(&mut (&src).take(len), &mut out)?;
+    Ok(src)
 }
 
 /// Bytes of `gen`'s data region that differ from the copy `copy`.
-pub fn differing_bytes(gen: &Path, copy: &Path) -> Result<u64> {
-    let mut a = std::fs::File::open(gen)?;
-    let mut b = std::fs::File::open(copy)?;
-    let mut left = b.metadata()?.len().min(a.metadata()?.len());
+pub fn differing_bytes(gen: &std::fs::File, copy: &Path) -> Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let b = std::fs::File::open(copy)?;
+    let mut left = b.metadata()?.len().min(gen.metadata()?.len());
     let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
-    let mut diff = 0u64;
+    let (mut diff, mut at) = (0u64, 0u64);
     while left > 0 {
         let n = left.min(ba.len() as u64) as usize;
-        a.read_exact(&mut ba[..n])?;
-        b.read_exact(&mut bb[..n])?;
+        gen.read_exact_at(&mut ba[..n], at)?;
+        b.read_exact_at(&mut bb[..n], at)?;
         diff += ba[..n].iter().zip(&bb[..n]).filter(|(x, y)| x != y).count() as u64;
         left -= n as u64;
+        at += n as u64;
     }
     Ok(diff)
 }

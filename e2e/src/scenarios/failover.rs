@@ -86,6 +86,8 @@ pub struct Figures {
     /// For a writer whose node failed while the controller failed over: its fault → the
     /// new leader's `acquireTime` (positive: the controller was still failing over).
     pub own_fault_to_new_leader_s: Option<f64>,
+    /// How long the API server was stopped at the leader's fault ([`API_STALL`]).
+    pub api_stall_s: Option<f64>,
 }
 
 impl Figures {
@@ -102,6 +104,7 @@ impl Figures {
             "fault_to_new_leader_s": self.fault_to_new_leader_s,
             "fault_to_controller_s": self.fault_to_controller_s,
             "own_fault_to_new_leader_s": self.own_fault_to_new_leader_s,
+            "api_stall_s": self.api_stall_s,
         })
     }
 }
@@ -121,6 +124,51 @@ struct Failing {
     before: Before,
     fault_nanos: i64,
     fault_at: Instant,
+}
+
+/// `FENCECSI_E2E_API_STALL` (seconds, as `8s`; unset: none): in a `controller-` fault, the
+/// API server's process group is stopped (SIGSTOP) as the leader's node fails, and
+/// continued that long after, so that every client's request in flight or sent meanwhile
+/// is answered late: the API server of run F in BENCHMARKS.md, which answered about 8 s
+/// late at a leader's power-off.
+pub const API_STALL: &str = "FENCECSI_E2E_API_STALL";
+
+fn api_stall() -> Result<Option<Duration>> {
+    let Ok(v) = std::env::var(API_STALL) else {
+        return Ok(None);
+    };
+    if v.trim().is_empty() {
+        return Ok(None);
+    }
+    let secs = v
+        .trim()
+        .strip_suffix('s')
+        .and_then(|n| n.parse::<f64>().ok())
+        .filter(|n| n.is_finite() && *n > 0.0 && *n <= 60.0)
+        .with_context(|| format!("{API_STALL}={v}: give seconds up to 60, as 8s"))?;
+    Ok(Some(Duration::from_secs_f64(secs)))
+}
+
+/// Stops the API server's process group now, and continues it after `d` (in a thread,
+/// joined by the caller; the teardown kills the group should the run end first).
+fn stall_api_server(pgid: i32, d: Duration) -> Result<std::thread::JoinHandle<()>> {
+    // SAFETY: killpg takes no pointers.
+    if unsafe { libc::killpg(pgid, libc::SIGSTOP) } != 0 {
+        bail!(
+            "stopping the API server: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    say(format!(
+        "API server stopped for {:.1} s (SIGSTOP to its process group)",
+        d.as_secs_f64()
+    ));
+    Ok(std::thread::spawn(move || {
+        std::thread::sleep(d);
+        // SAFETY: as above.
+        unsafe { libc::killpg(pgid, libc::SIGCONT) };
+        say("API server continued");
+    }))
 }
 
 /// How long after the first node's fault the next writer's node fails: inside the
@@ -178,8 +226,15 @@ pub fn fail_over_and_return(
         "the writers must each be on their own node: {nodes:?}"
     );
     let leader = leader_on(c, &first.node, fault)?;
-    let failing = inject_in_turn(c, fault, befores)?;
+    let stall = match leader {
+        Some(_) => api_stall()?,
+        None => None,
+    };
+    let (failing, stalled) = inject_in_turn(c, fault, befores, stall)?;
     let seen = watch_failovers(c, &failing)?;
+    if let Some(t) = stalled {
+        let _ = t.join();
+    }
     let fault_nanos = failing[0].fault_nanos;
     let takeover = leader
         .as_ref()
@@ -208,6 +263,7 @@ pub fn fail_over_and_return(
                 fig.own_fault_to_new_leader_s =
                     Some((t.acquired_nanos - f.fault_nanos) as f64 / 1e9);
             }
+            fig.api_stall_s = stall.map(|d| d.as_secs_f64());
         }
         figures.push(fig);
     }
@@ -218,9 +274,16 @@ pub fn fail_over_and_return(
     Ok(figures)
 }
 
-/// Fails each writer's node in turn.
-fn inject_in_turn(c: &Cluster, fault: Fault, befores: Vec<Before>) -> Result<Vec<Failing>> {
+/// Fails each writer's node in turn; with `stall`, stops the API server for that long as
+/// the first fails (the thread that continues it is returned).
+fn inject_in_turn(
+    c: &Cluster,
+    fault: Fault,
+    befores: Vec<Before>,
+    stall: Option<Duration>,
+) -> Result<(Vec<Failing>, Option<std::thread::JoinHandle<()>>)> {
     let mut failing = Vec::new();
+    let mut stalled = None;
     for b in befores {
         if !failing.is_empty() {
             std::thread::sleep(NEXT_FAULT_AFTER);
@@ -237,13 +300,16 @@ fn inject_in_turn(c: &Cluster, fault: Fault, befores: Vec<Before>) -> Result<Vec
         let fault_nanos = now_nanos();
         let fault_at = Instant::now();
         fault.inject(c, &b.node)?;
+        if let (Some(d), true) = (stall, failing.is_empty()) {
+            stalled = Some(stall_api_server(c.control_plane.apiserver_pgid, d)?);
+        }
         failing.push(Failing {
             before: b,
             fault_nanos,
             fault_at,
         });
     }
-    Ok(failing)
+    Ok((failing, stalled))
 }
 
 /// The later nodes failed before the new leader took over (its Lease's `acquireTime`), so
@@ -321,6 +387,7 @@ fn check_failover(c: &Cluster, fault: Fault, f: &Failing, seen: &Seen) -> Result
         fault_to_new_leader_s: None,
         fault_to_controller_s: None,
         own_fault_to_new_leader_s: None,
+        api_stall_s: None,
     })
 }
 
@@ -388,8 +455,8 @@ fn check_records_and_fence(
         w.pod,
         present.len()
     ));
-    let gen = evidence::generation_path(&c.state_dir, &before.handle, before.generation);
-    let diff = evidence::differing_bytes(&gen, &seen.fenced_copy)?;
+    let diff = evidence::differing_bytes(&seen.fenced_generation, &seen.fenced_copy)
+        .context("comparing the fenced generation with its copy")?;
     ensure!(
         diff == 0,
         "{diff} bytes of {}'s fenced generation changed after the fence",
@@ -461,6 +528,8 @@ struct Seen {
     ready_s: f64,
     fence_nanos: i64,
     fenced_copy: std::path::PathBuf,
+    /// The fenced generation's image, opened when the fence was seen.
+    fenced_generation: std::fs::File,
 }
 
 /// One writer's failover as watched so far.
@@ -468,6 +537,7 @@ struct Watch<'a> {
     f: &'a Failing,
     copy: std::path::PathBuf,
     fence_nanos: Option<i64>,
+    fenced_generation: Option<std::fs::File>,
     running_s: Option<f64>,
     seen: Option<Seen>,
 }
@@ -484,6 +554,7 @@ fn watch_failovers(c: &Cluster, failing: &[Failing]) -> Result<Vec<Seen>> {
                 f.before.handle, f.before.generation
             )),
             fence_nanos: None,
+            fenced_generation: None,
             running_s: None,
             seen: None,
         })
@@ -522,7 +593,10 @@ fn poll_failover(c: &Cluster, w: &mut Watch) -> Result<()> {
         let rec = evidence::volume_record(&c.state_dir, &b.handle)?;
         if let Some(t) = evidence::fenced_at(&rec, b.generation) {
             let gen = evidence::generation_path(&c.state_dir, &b.handle, b.generation);
-            evidence::copy_data_region(&gen, &w.copy)?;
+            w.fenced_generation = Some(
+                evidence::open_and_copy_data_region(&gen, &w.copy)
+                    .with_context(|| format!("copying {}", gen.display()))?,
+            );
             say(format!(
                 "{}: generation {} fenced; data region copied",
                 b.w.pod, b.generation
@@ -542,7 +616,7 @@ fn poll_failover(c: &Cluster, w: &mut Watch) -> Result<()> {
     if !ready {
         return Ok(());
     }
-    let Some(f) = w.fence_nanos else {
+    let (Some(f), Some(fenced_generation)) = (w.fence_nanos, w.fenced_generation.take()) else {
         bail!(
             "{} is Ready on {node} but generation {} was never fenced",
             b.w.pod,
@@ -555,6 +629,7 @@ fn poll_failover(c: &Cluster, w: &mut Watch) -> Result<()> {
         ready_s: fault.elapsed().as_secs_f64(),
         fence_nanos: f,
         fenced_copy: w.copy.clone(),
+        fenced_generation,
     });
     Ok(())
 }
