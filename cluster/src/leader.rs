@@ -17,10 +17,10 @@
 //! - Release clears `holderIdentity`; a candidate takes a lease without holder at once.
 //! - A candidate given a [`VacancyProof`] ([`LeaderElector::proving_vacancy`]) also takes
 //!   over before expiry once something other than the API server shows the holder gone,
-//!   twice, a retry period apart, with the Lease unchanged in between (a holder that runs
-//!   renews within a retry period). An API server that answers late then delays such a
-//!   takeover by no more than its own lateness, where the expiry rule adds the lease
-//!   duration to it.
+//!   on two rounds a retry period apart, the Lease unchanged in between (a holder that runs
+//!   renews about every retry period). Its rounds still read the Lease, so an API server
+//!   that answers late delays such a takeover by its lateness, and by up to one round's
+//!   timeout for a round it left without an answer; it does not restart a lease duration.
 //! - A follower ([`LeaderElectionConfig::follow`]) leads only while another Lease in the
 //!   same namespace names its identity: the containers of one pod then lead together. It
 //!   keeps observing its own Lease while it may not lead, so once it may, an expired Lease
@@ -117,6 +117,8 @@ pub type VacancyProof = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 struct Vacancy {
     proof: VacancyProof,
     running: Arc<AtomicBool>,
+    /// Whether a call still running when the next was due has been logged.
+    stuck_logged: AtomicBool,
 }
 
 /// Marks the call of a proof returned, also when it panicked.
@@ -147,9 +149,9 @@ struct State {
     /// (leading or not); a candidate that is refused (Forbidden, wrong namespace) or
     /// cannot connect stops advancing it.
     answered_at: Instant,
-    /// The resourceVersion of the Lease when its holder was first proven gone, and when;
-    /// cleared by any round in which it was not.
-    vacated: Option<(Option<String>, Instant)>,
+    /// The holder and resourceVersion of the Lease when that holder was first proven gone,
+    /// and when; cleared by any round in which it was not.
+    vacated: Option<(String, String, Instant)>,
 }
 
 /// One candidate. Use [`LeaderElector::spawn`] for the background loop, or drive it with
@@ -211,6 +213,7 @@ impl LeaderElector {
         self.vacancy = Some(Vacancy {
             proof,
             running: Arc::new(AtomicBool::new(false)),
+            stuck_logged: AtomicBool::new(false),
         });
         self
     }
@@ -353,12 +356,16 @@ impl LeaderElector {
     }
 
     /// Whether the holder `old` of the Lease at resourceVersion `rv` is proven gone now and
-    /// was already a retry period ago, at the same resourceVersion.
+    /// was already a retry period ago, at the same resourceVersion. A Lease without one
+    /// cannot show that it did not change, and proves nothing.
     async fn vacancy_confirmed(&self, old: &str, rv: Option<&str>) -> bool {
-        let Some(vacancy) = &self.vacancy else {
+        let (Some(vacancy), Some(rv)) = (&self.vacancy, rv) else {
             return false;
         };
         let gone = if vacancy.running.swap(true, Ordering::AcqRel) {
+            if !vacancy.stuck_logged.swap(true, Ordering::Relaxed) {
+                tracing::warn!(lease = %self.cfg.lease_name, holder = %old, "the check of whether the Lease's holder is gone has not returned: taking over only on expiry while it hangs");
+            }
             false // the last call has not returned: it proves nothing yet
         } else {
             let (proof, running, old) = (
@@ -381,11 +388,11 @@ impl LeaderElector {
                 st.vacated = None;
                 false
             }
-            Some((seen, since)) if seen.as_deref() == rv => {
+            Some((holder, seen, since)) if holder == old && seen == rv => {
                 since.elapsed() >= self.cfg.retry_period
             }
             _ => {
-                st.vacated = Some((rv.map(str::to_string), Instant::now()));
+                st.vacated = Some((old.to_string(), rv.to_string(), Instant::now()));
                 false
             }
         }
@@ -427,7 +434,8 @@ impl LeaderElector {
     }
 
     /// Runs the election loop in a tokio task. Dropping the handle aborts the loop
-    /// *without* releasing (as a crash would: others take over after expiry); call
+    /// *without* releasing (as a crash would: others take over after expiry, or once a
+    /// [`VacancyProof`] shows it gone); call
     /// [`LeaderHandle::shutdown`] to release.
     pub fn spawn(self) -> LeaderHandle {
         let elector = Arc::new(self);

@@ -1590,7 +1590,9 @@ fn images_are_pinned_and_sidecars_use_documented_flags() {
     // The Go sidecars' elections, and the Leases of fencecsi's followers of the plugin's
     // Lease, move off a failed pod within the controller's 20 s bound: a candidate sees the
     // leader's last renewal up to one poll (retry period, jittered by up to 1.2x in the
-    // sidecars) late, waits the Lease out, then takes it at its next poll.
+    // sidecars) late, waits the Lease out, then takes it at its next poll. (A follower also
+    // waits for the plugin's Lease, which a killed leader's standby takes within seconds and
+    // an expired one within 15 s plus a poll: the e2e suite measures the sum.)
     for name in [
         "csi-provisioner",
         "csi-resizer",

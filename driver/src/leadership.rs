@@ -16,14 +16,15 @@
 //!   2 s; no freeze starts after): the kernel then drops the ownership lock with the
 //!   process, whatever calls were running (every operation is crash-safe). It needs no
 //!   API server to do so, which it may not reach. The renew deadline is shorter than the
-//!   lease duration, so it is gone before a standby may take the Lease over;
+//!   lease duration, so it is gone before a standby may take an expired Lease over;
 //! - a new leader that still finds the state dir owned (a former leader frozen on a paused
 //!   node cannot exit) fires the owner's kill switch: the kernel queues SIGKILL to it
 //!   wherever it runs on this kernel, and it dies before it runs again. The new leader
 //!   takes the state dir once that owner exited or, frozen, after `locks::TAKEOVER_WAIT`
 //!   (see `locks::owner_lock`). Only the driver's own process arms a switch; an owner
-//!   without one (served in-process) is waited for while this replica leads.
-//!
+//!   without one (served in-process) is waited for while this replica leads. Before each
+//!   try it asks the Lease again, so that one which still believes it leads after a
+//!   standby took the Lease (below) does not kill the new holder;
 //! - a standby does not wait for the Lease to expire when the kernel shows that its
 //!   holder let go of the state dir: the newest ownership generation names the holder (its
 //!   Lease identity) and its lock is free (`locks::vacated_by`). The kernel drops that lock
@@ -31,11 +32,11 @@
 //!   killed or lost power is taken over from at once, and one cut off from the API server
 //!   as soon as it has given up. Seen twice, a retry period apart, the Lease unchanged
 //!   (`cluster::leader`), so that a holder restarted under the same name, which renews
-//!   and locks a new generation at once, is not taken for gone. This needs no answer from
-//!   the API server in time: one that answers late delays the takeover by its lateness
-//!   only, where expiry would add the lease duration to it.
+//!   and locks a new generation at once, is not taken for gone. An API server that answers
+//!   late delays this by its lateness (and a round it left unanswered by that round's
+//!   timeout), not by a lease duration counted from when the standby saw the Lease last.
 //!
-//! So the controller fails over within `--leader-election-lease-duration` (15 s by
+//! So the controller fails over in about `--leader-election-lease-duration` (15 s by
 //! default) after its node is cut off or frozen, about two retry periods after a leader
 //! that exited or was killed, plus the standby's start-up pass; a frozen node adds at most
 //! `TAKEOVER_WAIT` to that.
@@ -148,6 +149,18 @@ async fn open_while_leading(
         identity: Some(handle.elector().identity().to_string()),
     };
     while handle.is_leader() {
+        // The Lease asked again right before a former owner may be killed: a replica that
+        // still believes it leads (within its renew deadline) after a standby took the Lease
+        // on the kernel's word must not kill the new holder.
+        match handle.elector().try_acquire_or_renew().await {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not confirm the Lease before taking the state dir; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        }
         let c = cfg.clone();
         let claim = claim.clone();
         let opened = tokio::task::spawn_blocking(move || Controller::open_claiming(c, claim))
@@ -208,7 +221,7 @@ pub fn watch_leadership(
             tokio::select! {
                 _ = &mut stopped => {
                     if let Err(e) = handle.shutdown().await {
-                        tracing::warn!(error = %e, "could not release the leader Lease; a standby takes over once it expires");
+                        tracing::warn!(error = %e, "could not release the leader Lease; a standby takes over once it expires, or once it sees the state dir let go");
                     }
                     return;
                 }

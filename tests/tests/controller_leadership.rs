@@ -89,12 +89,13 @@ async fn a_standby_takes_over_the_state_dir_from_a_leader_that_cannot_renew() {
         [vol.clone(), through_b.clone()].into(),
         "the leader made the volume asked of the standby"
     );
+    let owner = fencecsi_driver::locks::owner_of(&env.state_dir())
+        .unwrap()
+        .expect("owned");
+    assert_eq!(owner.pid, std::process::id(), "one owner");
     assert_eq!(
-        fencecsi_driver::locks::owner_of(&env.state_dir())
-            .unwrap()
-            .map(|h| h.pid),
-        Some(std::process::id()),
-        "one owner"
+        owner.identity, "controller-a",
+        "the leader's generation names its Lease identity"
     );
 
     // The leader's node is cut off: no Lease renewal goes through any more. It gives up
@@ -182,6 +183,14 @@ async fn a_standby_takes_over_at_once_from_a_leader_that_was_killed() {
     let mut a = Process::spawn(&cfg);
     let mut ca = wait_for_socket(&a.socket).await;
     let vol = create(&mut ca, "pvc-a").await.expect("a serves");
+    assert_eq!(
+        fencecsi_driver::locks::owner_of(&env.state_dir())
+            .unwrap()
+            .map(|h| h.identity)
+            .as_deref(),
+        Some("controller-a"),
+        "a's generation names it"
+    );
     hold_the_lease_as(&cluster, "controller-a").await;
 
     let mut b = Replica::start(&env, &cluster, "controller-b");

@@ -3,8 +3,8 @@
 //!
 //! Ownership is an exclusive `flock` on the newest generation file, `<state>/owner/<N>.lock`.
 //! Every acquisition makes a new generation: created with `O_EXCL` (one maker per number),
-//! its maker writes its pid and the name of its [`KillSwitch`] into it before it locks it, and
-//! only its maker ever keeps its lock. So a generation's content always names the process that
+//! its maker writes its pid, the name of its [`KillSwitch`] and the Lease identity it leads
+//! under into it before it locks it, and only its maker ever keeps its lock. So a generation's content always names the process that
 //! holds its lock, and nobody else's.
 //!
 //! A controller that finds the newest generation locked is refused ([`Claim::take_over`]
@@ -74,8 +74,7 @@ pub enum Predecessor {
 
 /// The state dir's ownership; let go with the last reference (see `Controller::hold_ownership`).
 pub(crate) struct OwnerLock {
-    /// Declared first, so dropped first: disarmed before the lock goes, so that a successor
-    /// never fires at a process that no longer owns.
+    /// Disarmed before the lock goes (see the `Drop`).
     switch: Option<KillSwitch>,
     _file: File,
     pub(crate) generation: u64,
@@ -159,6 +158,16 @@ impl OwnerLock {
     }
 }
 
+impl Drop for OwnerLock {
+    fn drop(&mut self) {
+        // Disarmed before the lock goes, so that a successor never fires at a process that no
+        // longer owns; then unlocked, not only closed: a child forked meanwhile holds a copy of
+        // the file until it execs, and with it the lock a standby looks at (`vacated_by`).
+        drop(self.switch.take());
+        let _ = self._file.unlock();
+    }
+}
+
 /// The process that owns `state_dir` now, if one does (read from the kernel's lock).
 pub fn owner_of(state_dir: &Path) -> io::Result<Option<Holder>> {
     let dir = state_dir.join(OWNER_DIR);
@@ -174,7 +183,8 @@ pub fn owner_of(state_dir: &Path) -> io::Result<Option<Holder>> {
 /// generation) or with its last thread (an exit, a kill, a power-off); a frozen or a
 /// running owner keeps it. A holder that has not made its generation yet, or made one
 /// naming no identity, proves nothing (false). The lock is only tried, shared, for an
-/// instant; an owner locking a new generation waits out such a try (`make_generation`).
+/// instant; an owner making a generation, or trying the newest one's lock, waits out such
+/// a try (`make_generation`, [`PROBE_PATIENCE`]).
 pub fn vacated_by(state_dir: &Path, identity: &str) -> io::Result<bool> {
     let dir = state_dir.join(OWNER_DIR);
     let Some(n) = newest_generation(&dir)? else {
@@ -187,7 +197,6 @@ pub fn vacated_by(state_dir: &Path, identity: &str) -> io::Result<bool> {
     };
     let mut text = String::new();
     f.read_to_string(&mut text)?;
-    let identity = identity.trim();
     if identity.is_empty() || parse_holder(&text).identity != identity {
         return Ok(false);
     }
@@ -223,16 +232,25 @@ enum Probe {
     Gone,
 }
 
+/// How long a probe waits for a lock someone holds before it counts it held: long enough
+/// for a standby's look ([`vacated_by`], an instant) to pass.
+const PROBE_PATIENCE: Duration = Duration::from_millis(100);
+
 fn probe(dir: &Path, n: u64) -> io::Result<Probe> {
-    let mut f = match File::open(generation_path(dir, n)) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Gone),
-        Err(e) => return Err(e),
+    let open = || match File::open(generation_path(dir, n)) {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
     };
-    match f.try_lock() {
-        Ok(()) => Ok(Probe::Free(f)),
-        Err(std::fs::TryLockError::Error(e)) => Err(e),
-        Err(std::fs::TryLockError::WouldBlock) => {
+    let Some(f) = open()? else {
+        return Ok(Probe::Gone);
+    };
+    match super::flock_within(f, true, PROBE_PATIENCE) {
+        Ok(f) => Ok(Probe::Free(f)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut => {
+            let Some(mut f) = open()? else {
+                return Ok(Probe::Gone);
+            };
             let mut text = String::new();
             f.read_to_string(&mut text)?;
             Ok(Probe::Held(Holder {
@@ -240,6 +258,7 @@ fn probe(dir: &Path, n: u64) -> io::Result<Probe> {
                 ..parse_holder(&text)
             }))
         }
+        Err(e) => Err(e),
     }
 }
 
@@ -348,9 +367,12 @@ fn make_generation(
         std::process::id(),
         switch.map(KillSwitch::name).unwrap_or_default()
     )?;
-    // One line per field: a name that would break the line is left out (it proves nothing).
-    if let Some(id) = identity.filter(|id| !id.is_empty() && !id.contains(char::is_control)) {
-        writeln!(f, "identity={}", id.trim())?;
+    // One line per field, read back trimmed: a name that would not read back as written is
+    // left out (it proves nothing).
+    if let Some(id) =
+        identity.filter(|id| !id.is_empty() && *id == id.trim() && !id.contains(char::is_control))
+    {
+        writeln!(f, "identity={id}")?;
     }
     match super::flock_within(f, true, Duration::from_secs(1)) {
         Ok(f) => Ok(Some(f)),

@@ -149,9 +149,34 @@ fn api_stall() -> Result<Option<Duration>> {
     Ok(Some(Duration::from_secs_f64(secs)))
 }
 
-/// Stops the API server's process group now, and continues it after `d` (in a thread,
-/// joined by the caller; the teardown kills the group should the run end first).
-fn stall_api_server(pgid: i32, d: Duration) -> Result<std::thread::JoinHandle<()>> {
+/// The API server stopped by [`stall_api_server`]: continued by its thread when the stall is
+/// over, or at once when this is dropped before ([`Stalled::finish`] not reached: a failed
+/// run), so that the teardown finds it running.
+struct Stalled {
+    pgid: i32,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Stalled {
+    /// Waits for the stall's end.
+    fn finish(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Stalled {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            // SAFETY: killpg takes no pointers.
+            unsafe { libc::killpg(self.pgid, libc::SIGCONT) };
+        }
+    }
+}
+
+/// Stops the API server's process group now, and continues it after `d`.
+fn stall_api_server(pgid: i32, d: Duration) -> Result<Stalled> {
     // SAFETY: killpg takes no pointers.
     if unsafe { libc::killpg(pgid, libc::SIGSTOP) } != 0 {
         bail!(
@@ -163,12 +188,16 @@ fn stall_api_server(pgid: i32, d: Duration) -> Result<std::thread::JoinHandle<()
         "API server stopped for {:.1} s (SIGSTOP to its process group)",
         d.as_secs_f64()
     ));
-    Ok(std::thread::spawn(move || {
+    let thread = std::thread::spawn(move || {
         std::thread::sleep(d);
         // SAFETY: as above.
         unsafe { libc::killpg(pgid, libc::SIGCONT) };
         say("API server continued");
-    }))
+    });
+    Ok(Stalled {
+        pgid,
+        thread: Some(thread),
+    })
 }
 
 /// How long after the first node's fault the next writer's node fails: inside the
@@ -232,8 +261,8 @@ pub fn fail_over_and_return(
     };
     let (failing, stalled) = inject_in_turn(c, fault, befores, stall)?;
     let seen = watch_failovers(c, &failing)?;
-    if let Some(t) = stalled {
-        let _ = t.join();
+    if let Some(s) = stalled {
+        s.finish();
     }
     let fault_nanos = failing[0].fault_nanos;
     let takeover = leader
@@ -275,13 +304,13 @@ pub fn fail_over_and_return(
 }
 
 /// Fails each writer's node in turn; with `stall`, stops the API server for that long as
-/// the first fails (the thread that continues it is returned).
+/// the first fails.
 fn inject_in_turn(
     c: &Cluster,
     fault: Fault,
     befores: Vec<Before>,
     stall: Option<Duration>,
-) -> Result<(Vec<Failing>, Option<std::thread::JoinHandle<()>>)> {
+) -> Result<(Vec<Failing>, Option<Stalled>)> {
     let mut failing = Vec::new();
     let mut stalled = None;
     for b in befores {
